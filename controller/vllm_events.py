@@ -1,0 +1,603 @@
+"""Local-tier ingest: vLLM KV cache events (ZMQ PUB + ROUTER replay) into the index.
+
+Wire (vLLM >= 0.9, verified against 0.32): a multipart message
+``[topic, seq (u64 big-endian, from 0 per engine process), msgpack payload]`` where the
+payload is ``[ts, [events...], data_parallel_rank]``. Events are msgpack maps tagged by
+``"type"`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``); older releases
+encoded them as arrays ``[type, field, ...]``, which are accepted too. Block hashes are
+u64 ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default) or raw digests, which
+are folded to the same u64 vLLM would have sent (last 8 bytes, big-endian).
+
+Replay: a DEALER sends ``[b"", start_seq u64 BE]`` to the engine's ROUTER and receives
+``[b"", topic, seq, payload]`` per buffered batch, then ``[b"", b"", 0xff..ff, b""]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints cannot exceed 2^64-1
+END_SEQ = (1 << 64) - 1
+MEDIUM_GPU = "GPU"
+
+
+# ---------------------------------------------------------------------------
+# Wire structs. Field order matters only for the legacy array form, so it follows vLLM's
+# class definitions; fields we never read (locality, ownership, session_id, ...) are left
+# undeclared and ignored by the decoder.
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[U64]
+    parent_block_hash: U64 | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[U64]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class DroppedEvent(msgspec.Struct, tag="__dropped__", omit_defaults=True, gc=False):
+    """Stands in for an event that could not be used, so the rest of its batch survives.
+
+    ``reason`` is ``"unknown"`` (a type this module does not know) or ``"malformed"``.
+    """
+
+    kind: str = ""
+    reason: str = "unknown"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | DroppedEvent
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBlockStored(BlockStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _ArrayEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _RawEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_MAP_DECODER = msgspec.msgpack.Decoder(EventBatch)
+_ARRAY_DECODER = msgspec.msgpack.Decoder(_ArrayEventBatch)
+_RAW_DECODER = msgspec.msgpack.Decoder(_RawEventBatch)
+_ANY_DECODER = msgspec.msgpack.Decoder()
+_KNOWN: dict[str, type[msgspec.Struct]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+
+
+class PayloadError(ValueError):
+    """The payload is not a vLLM event batch at all (nothing in it can be used)."""
+
+
+def _fold_hash(value: Any) -> Any:
+    # vLLM's maybe_convert_block_hash keeps the low 64 bits of the digest, big-endian.
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value[-8:], "big")
+    return value
+
+
+def _decode_one(raw: msgspec.Raw) -> KVEvent:
+    try:
+        obj = _ANY_DECODER.decode(raw)
+    except msgspec.DecodeError:
+        return DroppedEvent(reason="malformed")
+    if isinstance(obj, list) and obj and isinstance(obj[0], str):
+        cls = _KNOWN.get(obj[0])
+        if cls is None:
+            return DroppedEvent(kind=obj[0][:64], reason="unknown")
+        obj = dict(zip(cls.__struct_fields__, obj[1:], strict=False))
+        obj["type"] = cls.__name__
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        return DroppedEvent(reason="malformed")
+    kind = obj["type"]
+    cls = _KNOWN.get(kind)
+    if cls is None:
+        return DroppedEvent(kind=kind[:64], reason="unknown")
+    hashes = obj.get("block_hashes")
+    if isinstance(hashes, list):
+        obj["block_hashes"] = [_fold_hash(h) for h in hashes]
+    if "parent_block_hash" in obj:
+        obj["parent_block_hash"] = _fold_hash(obj["parent_block_hash"])
+    try:
+        return msgspec.convert(obj, cls)
+    except (msgspec.ValidationError, TypeError):
+        return DroppedEvent(kind=kind, reason="malformed")
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """Decode one vLLM event-batch payload.
+
+    Fast path: one typed decode of the whole batch. If any event is of an unknown type,
+    in the legacy array form, carries digest hashes or is malformed, the batch is decoded
+    event by event and each unusable event becomes a ``DroppedEvent``.
+    Raises ``PayloadError`` when the envelope itself is not a batch.
+    """
+    try:
+        return _MAP_DECODER.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    except msgspec.DecodeError as exc:
+        raise PayloadError(str(exc)) from exc
+    try:
+        arr = _ARRAY_DECODER.decode(payload)
+        return EventBatch(arr.ts, list(arr.events), arr.data_parallel_rank)
+    except msgspec.ValidationError:
+        pass
+    try:
+        raw = _RAW_DECODER.decode(payload)
+    except msgspec.MsgspecError as exc:
+        raise PayloadError(str(exc)) from exc
+    return EventBatch(raw.ts, [_decode_one(r) for r in raw.events], raw.data_parallel_rank)
+
+
+# ---------------------------------------------------------------------------
+# Applying batches to the index.
+
+
+class GpuBlockSink(Protocol):
+    """What the index offers for the GPU (vLLM prefix cache) part of the local tier."""
+
+    def gpu_stored(
+        self,
+        instance_id: str,
+        block_hashes: Sequence[int],
+        parent_block_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> int: ...
+
+    def gpu_removed(self, instance_id: str, block_hashes: Sequence[int]) -> int: ...
+
+    def gpu_cleared(self, instance_id: str) -> None: ...
+
+
+def apply_batch(
+    batch: EventBatch,
+    sink: GpuBlockSink,
+    instance_id: str,
+    counts: dict[str, int] | None = None,
+    *,
+    group_idx: int | None = 0,
+) -> int:
+    """Apply a decoded batch to ``sink`` in order; returns the number of block events applied.
+
+    Only GPU-medium events (``medium`` "GPU" or absent) are applied. For hybrid models with
+    several KV cache groups only ``group_idx`` is tracked (the same block hash appears in
+    every group, so one full-attention group is enough; ``None`` applies all groups).
+    Per-kind tallies are added to ``counts`` when given: the event type names plus
+    ``blocks_stored``, ``blocks_removed``, ``unknown``, ``malformed``, ``non_gpu``,
+    ``other_group``.
+    """
+    n_stored = n_removed = n_cleared = blocks_stored = blocks_removed = 0
+    unknown = malformed = non_gpu = other_group = 0
+    # vLLM sends one BlockRemoved per evicted block; consecutive removals commute, so they
+    # are merged into one sink call (flushed before anything that must stay ordered).
+    pending: list[int] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockRemoved):
+            n_removed += 1
+            if ev.medium is not None and ev.medium != MEDIUM_GPU:
+                non_gpu += 1
+            elif group_idx is not None and ev.group_idx is not None and ev.group_idx != group_idx:
+                other_group += 1
+            else:
+                pending.extend(ev.block_hashes)
+            continue
+        if pending:
+            blocks_removed += len(pending)
+            sink.gpu_removed(instance_id, pending)
+            pending = []
+        if isinstance(ev, BlockStored):
+            n_stored += 1
+            if ev.medium is not None and ev.medium != MEDIUM_GPU:
+                non_gpu += 1
+            elif group_idx is not None and ev.group_idx is not None and ev.group_idx != group_idx:
+                other_group += 1
+            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+                # vLLM reports full blocks only; anything else would corrupt a re-hash.
+                malformed += 1
+            elif ev.block_hashes:
+                blocks_stored += len(ev.block_hashes)
+                sink.gpu_stored(
+                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size
+                )
+        elif isinstance(ev, AllBlocksCleared):
+            n_cleared += 1
+            sink.gpu_cleared(instance_id)
+        elif isinstance(ev, DroppedEvent):
+            if ev.reason == "unknown":
+                unknown += 1
+            else:
+                malformed += 1
+    if pending:
+        blocks_removed += len(pending)
+        sink.gpu_removed(instance_id, pending)
+    if counts is not None:
+        for key, value in (
+            ("BlockStored", n_stored),
+            ("BlockRemoved", n_removed),
+            ("AllBlocksCleared", n_cleared),
+            ("blocks_stored", blocks_stored),
+            ("blocks_removed", blocks_removed),
+            ("unknown", unknown),
+            ("malformed", malformed),
+            ("non_gpu", non_gpu),
+            ("other_group", other_group),
+        ):
+            if value:
+                counts[key] = counts.get(key, 0) + value
+    return blocks_stored + blocks_removed
+
+
+# ---------------------------------------------------------------------------
+# Subscriber.
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's own rule (ZmqEventPublisher._is_bind_endpoint): it binds wildcard, IPv6-any,
+    ipc:// and inproc:// endpoints and connects to every other one."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def connectable(endpoint: str) -> str:
+    """Turn a bind-style endpoint into one this host can connect to (wildcards -> loopback)."""
+    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:").replace("[::]", "[::1]")
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    unfilled_gaps: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+    decode_errors: int = 0
+    bad_frames: int = 0
+    other_topic: int = 0
+    sink_errors: int = 0
+    last_seq: int | None = None
+    last_event_time: float | None = None
+    lag_s: float | None = None
+
+
+class VllmEventSubscriber:
+    """Follows one vLLM engine's KV event stream and mirrors its GPU prefix cache into a sink.
+
+    ``endpoint`` is the engine's ``kv-events-config`` endpoint string. With ``bind=None``
+    the socket role is derived with vLLM's own rule: when vLLM binds (``tcp://*:P``,
+    ``tcp://[::]:P``, ``ipc://...``) we connect (a wildcard host becomes loopback; pass
+    ``bind=False`` with the engine's address when it runs on another host); when vLLM
+    connects (``tcp://host:P``) we bind that address. The replay endpoint is always a ROUTER
+    bound by vLLM, so we always connect to it.
+
+    Sequence handling: a gap (or a first message with seq > 0) is filled from the replay
+    endpoint; a seq that goes back with a newer timestamp is an engine restart and clears
+    the instance; an older timestamp is a duplicate and is skipped. A gap that cannot be
+    filled clears the instance, because its mirror would be wrong.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        instance_id: str,
+        sink: GpuBlockSink,
+        *,
+        topic: str = "kv",
+        replay_endpoint: str | None = None,
+        bind: bool | None = None,
+        group_idx: int | None = 0,
+        replay_timeout_s: float = 1.0,
+        max_replay_batches: int = 200_000,
+        max_message_bytes: int = 64 << 20,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.stats = SubscriberStats()
+        self._sink = sink
+        self._topic = topic.encode()
+        self._group_idx = group_idx
+        self._replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
+        self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
+        self._max_replay_batches = max_replay_batches
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._last_ts: float | None = None
+        self._closing = False
+        self._task: asyncio.Task[Any] | None = None
+
+        self._bind = (not vllm_binds(endpoint)) if bind is None else bind
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        # Live batches keep queueing while a replay is in flight; vLLM's own PUB HWM is 100k,
+        # and anything beyond that shows up as a gap and is replayed.
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if "[" in endpoint:
+            sub.setsockopt(zmq.IPV6, 1)
+        try:
+            if self._bind:
+                sub.bind(endpoint)
+            else:
+                sub.connect(connectable(endpoint))
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
+        self._sub = sub
+        self.endpoint: str = sub.getsockopt_string(zmq.LAST_ENDPOINT) if self._bind else connectable(endpoint)
+
+    @property
+    def binds(self) -> bool:
+        return self._bind
+
+    async def run(self) -> None:
+        """Receive and apply batches until ``close()``."""
+        self._task = asyncio.current_task()
+        try:
+            while not self._closing:
+                try:
+                    frames = await self._sub.recv_multipart()
+                except zmq.ZMQError:
+                    if self._closing:
+                        return
+                    log.exception("vLLM events %s: receive failed", self.instance_id)
+                    await asyncio.sleep(0.1)
+                    continue
+                parsed = self._parse(frames)
+                if parsed is not None:
+                    await self._on_live(*parsed)
+        except asyncio.CancelledError:
+            # close() cancels us mid-receive or mid-replay; that is a normal end.
+            if not self._closing:
+                raise
+        finally:
+            self._task = None
+
+    async def close(self) -> None:
+        self._closing = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sub.close(linger=0)
+
+    # -- frames ---------------------------------------------------------------
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.bad_frames += 1
+            return None
+        topic, seq_bytes, payload = frames
+        if topic != self._topic:
+            # SUBSCRIBE matches prefixes, so "kv" also lets "kv2" through.
+            self.stats.other_topic += 1
+            return None
+        try:
+            batch = decode_payload(payload)
+        except PayloadError:
+            self.stats.decode_errors += 1
+            return None
+        return int.from_bytes(seq_bytes, "big"), batch
+
+    # -- ordering -------------------------------------------------------------
+
+    async def _on_live(self, seq: int, batch: EventBatch) -> None:
+        last = self.stats.last_seq
+        if last is None:
+            if seq > 0:
+                await self._fill(0)
+        elif seq <= last:
+            if self._last_ts is not None and batch.ts <= self._last_ts:
+                self.stats.duplicates += 1
+                return
+            # A new engine process restarts seq at 0 with fresh timestamps.
+            log.warning("vLLM events %s: engine restart (seq %d after %d)", self.instance_id, seq, last)
+            self.stats.restarts += 1
+            self._clear()
+            self.stats.last_seq = self._last_ts = None
+            if seq > 0:
+                await self._fill(0)
+        elif seq > last + 1:
+            self.stats.gaps += 1
+            await self._fill(last + 1)
+        self._apply_in_order(seq, batch)
+
+    def _apply_in_order(self, seq: int, batch: EventBatch) -> None:
+        last = self.stats.last_seq
+        expected = 0 if last is None else last + 1
+        if seq < expected:
+            self.stats.duplicates += 1
+            return
+        if seq > expected:
+            self.stats.unfilled_gaps += 1
+            log.warning(
+                "vLLM events %s: batches %d..%d lost; clearing the instance",
+                self.instance_id,
+                expected,
+                seq - 1,
+            )
+            self._clear()
+        try:
+            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx)
+        except Exception:
+            # The sink is our own index; a failure there must not kill ingest, but the
+            # mirror is no longer trustworthy.
+            log.exception("vLLM events %s: sink failed on seq %d", self.instance_id, seq)
+            self.stats.sink_errors += 1
+            self._clear()
+        now = time.time()
+        self.stats.batches += 1
+        self.stats.last_seq = seq
+        self.stats.last_event_time = now
+        self.stats.lag_s = now - batch.ts
+        self._last_ts = batch.ts
+
+    def _clear(self) -> None:
+        try:
+            self._sink.gpu_cleared(self.instance_id)
+        except Exception:
+            log.exception("vLLM events %s: sink failed to clear", self.instance_id)
+            self.stats.sink_errors += 1
+
+    async def _fill(self, start: int) -> None:
+        """Replay from ``start`` and apply what comes back in order."""
+        if self._replay_endpoint is None:
+            return
+        self.stats.replays += 1
+        replayed = await self._request_replay(start)
+        if replayed is None:
+            self.stats.replay_failures += 1
+            return
+        for seq, batch in replayed:
+            self._apply_in_order(seq, batch)
+
+    async def _request_replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
+        assert self._replay_endpoint is not None
+        # A fresh DEALER per request: late replies to an abandoned request cannot leak
+        # into the next one.
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        if "[" in self._replay_endpoint:
+            dealer.setsockopt(zmq.IPV6, 1)
+        out: list[tuple[int, EventBatch]] = []
+        try:
+            dealer.connect(self._replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while len(out) < self._max_replay_batches:
+                if not await dealer.poll(self._replay_timeout_ms, zmq.POLLIN):
+                    log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
+                    return None
+                frames = await dealer.recv_multipart()
+                if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ.to_bytes(8, "big"):
+                    break
+                if len(frames) != 4 or frames[0] != b"":
+                    self.stats.bad_frames += 1
+                    continue
+                parsed = self._parse(frames[1:])
+                if parsed is not None and parsed[0] >= start:
+                    out.append(parsed)
+        except zmq.ZMQError:
+            log.exception("vLLM events %s: replay from %d failed", self.instance_id, start)
+            return None
+        finally:
+            dealer.close(linger=0)
+        out.sort(key=lambda item: item[0])
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Benchmark.
+
+
+def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:
+    """vLLM-shaped payloads holding at least ``n_events`` block events.
+
+    Each engine step stores one new 16-block prompt (16 tokens per block, rooted at the
+    hash seed) and evicts the prompt stored two steps earlier as 16 single-block
+    ``BlockRemoved`` events, tail first, the order in which vLLM's free queue gives blocks
+    up. Hashes span the full u64 range. Returns (payloads, block events).
+    """
+    rng = random.Random(seed)
+    enc = msgspec.msgpack.Encoder()
+    payloads: list[bytes] = []
+    history: list[list[int]] = []
+    total = 0
+    ts = 1.7e9
+    while total < n_events:
+        hashes = [rng.getrandbits(64) for _ in range(16)]
+        events: list[dict[str, Any]] = [
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": None,
+                "token_ids": [rng.randrange(150_000) for _ in range(256)],
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "extra_keys": [None] * 16,
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
+            }
+        ]
+        total += 16
+        history.append(hashes)
+        if len(history) > 2:
+            for h in reversed(history.pop(0)):
+                events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
+                total += 1
+        ts += 0.01
+        payloads.append(enc.encode([ts, events, 0]))
+    return payloads, total
+
+
+def ingest_benchmark(sink: GpuBlockSink, n_events: int, instance_id: str = "bench") -> float:
+    """Decoded + applied block events per second on synthetic vLLM-shaped payloads.
+
+    Blocks are 16 tokens; a real index must be configured for that block size and know
+    ``instance_id`` before the run.
+    """
+    payloads, total = synthetic_payloads(n_events)
+    applied = 0
+    t0 = time.perf_counter()
+    for payload in payloads:
+        applied += apply_batch(decode_payload(payload), sink, instance_id)
+    elapsed = time.perf_counter() - t0
+    if applied != total:
+        raise RuntimeError(f"applied {applied} of {total} block events")
+    return total / elapsed

@@ -1,0 +1,118 @@
+"""Load accounting: in-flight requests and unprefilled tokens per instance.
+
+A request counts from the moment it is routed (so a burst cannot herd onto one instance before any
+engine reports) until its done report. Engines' own counters (``vllm:num_requests_running`` +
+``_waiting``) heal lost done reports: entries older than a grace period beyond what the engine says
+it holds are released, oldest first. Requests that other routers sent to an engine show up as
+``external`` load, so the view never under-counts a shared engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import repeat
+
+
+@dataclass(slots=True)
+class _InFlight:
+    instance: str
+    unprefilled: int
+    since: float
+
+
+class LoadTracker:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._requests: dict[str, _InFlight] = {}
+        self._count: dict[str, int] = {}
+        self._unprefilled: dict[str, int] = {}
+        self._external: dict[str, int] = {}
+        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0}
+
+    def add_instance(self, instance_id: str) -> None:
+        self._count.setdefault(instance_id, 0)
+        self._unprefilled.setdefault(instance_id, 0)
+        self._external.setdefault(instance_id, 0)
+
+    def remove_instance(self, instance_id: str) -> None:
+        for rid in [r for r, e in self._requests.items() if e.instance == instance_id]:
+            del self._requests[rid]
+        self._count.pop(instance_id, None)
+        self._unprefilled.pop(instance_id, None)
+        self._external.pop(instance_id, None)
+
+    def on_route(self, request_id: str, instance_id: str, prompt_tokens: int, hit_tokens: int = 0) -> None:
+        """Count a routed request; re-routing the same id moves it."""
+        if request_id in self._requests:
+            self._release(request_id)
+        self.add_instance(instance_id)
+        todo = max(0, prompt_tokens - hit_tokens)
+        self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        self._count[instance_id] += 1
+        self._unprefilled[instance_id] += todo
+        self.stats["routed"] += 1
+
+    def on_prefilled(self, request_id: str) -> None:
+        """Prefill finished (PD disaggregation, simulator): its tokens no longer queue."""
+        entry = self._requests.get(request_id)
+        if entry is not None and entry.unprefilled:
+            self._unprefilled[entry.instance] -= entry.unprefilled
+            entry.unprefilled = 0
+
+    def on_done(self, request_id: str) -> bool:
+        """Release a request; False when it was not in flight (duplicate or healed)."""
+        if self._release(request_id):
+            self.stats["done"] += 1
+            return True
+        self.stats["unknown_done"] += 1
+        return False
+
+    def _release(self, request_id: str) -> bool:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return False
+        self._count[entry.instance] -= 1
+        self._unprefilled[entry.instance] -= entry.unprefilled
+        return True
+
+    def reconcile(self, instance_id: str, engine_requests: int, grace_s: float = 30.0) -> int:
+        """Align with the engine's running+waiting count. Returns entries released as lost."""
+        if instance_id not in self._count:
+            return 0
+        ours = self._count[instance_id]
+        self._external[instance_id] = max(0, engine_requests - ours)
+        excess = ours - engine_requests
+        if excess <= 0:
+            return 0
+        cutoff = self._clock() - grace_s
+        stale = sorted(
+            (e.since, rid) for rid, e in self._requests.items() if e.instance == instance_id and e.since < cutoff
+        )
+        healed = 0
+        for _, rid in stale[:excess]:
+            self._release(rid)
+            healed += 1
+        self.stats["healed"] += healed
+        return healed
+
+    def in_flight(self, instance_id: str) -> int:
+        return self._count.get(instance_id, 0) + self._external.get(instance_id, 0)
+
+    def unprefilled(self, instance_id: str) -> int:
+        return self._unprefilled.get(instance_id, 0)
+
+    def loads(self, instance_ids: list[str], disaggregated: bool = False) -> list[int]:
+        """The policy's load: in-flight requests (colocated) or unprefilled tokens (disaggregated)."""
+        if disaggregated:
+            return list(map(self._unprefilled.get, instance_ids, repeat(0)))
+        count, ext = self._count, self._external
+        return [count.get(i, 0) + ext.get(i, 0) for i in instance_ids]
+
+    def instance_of(self, request_id: str) -> str | None:
+        entry = self._requests.get(request_id)
+        return entry.instance if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._requests)

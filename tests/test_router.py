@@ -1,0 +1,62 @@
+"""The routing step shared by controller and simulator: index -> view -> policy -> load."""
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.hashing import fast_chain
+from smetric_lmc.index import TierIndex
+from smetric_lmc.load import LoadTracker
+from smetric_lmc.router import Router
+from smetric_lmc.wire import Reason
+
+
+def cluster(n=3, policy="smetric", **kw):
+    ix = TierIndex(16, 64)
+    for k in range(n):
+        ix.register_instance(f"i{k}")
+    return Router(ix, LoadTracker(), PolicyConfig(name=policy, **kw))
+
+
+def test_session_follows_its_kv_and_load_is_counted_at_route_time():
+    r = cluster()
+    first = list(range(100))
+    a = r.route("s1-t0", fast_chain(first, 16), None, len(first), turn=0)
+    assert a.reason == Reason.FIRST_TURN
+    # The engine reports what it cached for the first turn.
+    r.index.gpu_stored_hashes(a.instance_id, fast_chain(first, 16))
+    # A burst of first turns spreads: the in-flight count of s1 makes its instance busier.
+    others = {r.route(f"s{k}-t0", [], None, 10, turn=0).instance_id for k in range(2, 4)}
+    assert a.instance_id not in others and len(others) == 2
+    r.load.on_done("s1-t0")
+    follow = list(range(150))
+    b = r.route("s1-t1", fast_chain(follow, 16), None, len(follow), turn=1, est_hit=100)
+    assert (b.instance_id, b.reason) == (a.instance_id, Reason.STICKY)
+    assert b.local_hit_tokens == 96 and b.est_hit_tokens == 96  # both at block granularity
+
+
+def test_unknown_turn_is_inferred_from_est_hit():
+    r = cluster()
+    assert r.route("x", [], None, 10).turn == 0
+    assert r.route("y", [], None, 10, est_hit=64).turn == 1
+
+
+def test_disaggregated_load_is_unprefilled_tokens_and_candidates_filter():
+    r = cluster()
+    r.disaggregated = True
+    r.route("big", [], None, 5000, turn=0, candidates=["i0", "i1"])
+    picks = [r.route(f"q{k}", [], None, 100, turn=0, candidates=["i0", "i1"]).instance_id for k in range(3)]
+    assert "i2" not in picks
+    assert picks.count(r.load.instance_of("big")) == 0  # 5000 queued tokens outweigh three small ones
+
+
+def test_no_candidates_means_no_instances():
+    r = cluster()
+    d = r.route("z", [], None, 10, candidates=["gone"])
+    assert d.instance_id is None and d.reason == Reason.NO_INSTANCES
+
+
+def test_hot_policy_swap():
+    r = cluster()
+    r.route("warm", [], None, 1)  # the round-robin cursor is shared across policies
+    r.set_policy(PolicyConfig(name="round_robin"))
+    picks = [r.route(f"r{k}", [], None, 1) for k in range(3)]
+    assert [p.instance_id for p in picks] == ["i1", "i2", "i0"]
+    assert {p.policy for p in picks} == {"round_robin"} and picks[0].reason == Reason.ROUND_ROBIN
