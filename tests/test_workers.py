@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from smetric_lmc.workers import launch, tinymodel
 from smetric_lmc.workers.launch import InstanceSpec, LMCacheSpec, worker_launch
 

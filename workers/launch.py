@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 import yaml
+
 from smetric_lmc.workers import tinymodel
 
 log = logging.getLogger(__name__)

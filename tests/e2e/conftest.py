@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from smetric_lmc.workers import launch
 
 log = logging.getLogger(__name__)

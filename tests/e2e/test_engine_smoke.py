@@ -13,6 +13,7 @@ import cbor2
 import msgspec
 import pytest
 import zmq
+
 from smetric_lmc.workers.launch import RunningEngine, group_rss_bytes
 
 log = logging.getLogger(__name__)
