@@ -1,0 +1,839 @@
+"""Worker-facing LMCache 0.5.x controller endpoint.
+
+Unmodified LMCache workers are pointed at this server (``controller_pull_url`` /
+``controller_reply_url``). It answers them the way LMCache's own ``LMCacheControllerManager``
+does (registration, heartbeats with full-sync commands, full-sync handshake, P2P lookup, error
+replies) and turns their admit / evict / full-sync reports into calls on an index sink, keyed by
+our instance ids.
+
+Optional upstream: every valid worker message is also forwarded, as the raw bytes received, to a
+real LMCache controller (PUSH to its pull port; one DEALER per worker to its reply port, which
+handles heartbeats too), so LMCache's management API keeps working. The worker always receives
+OUR reply, immediately and whether or not the upstream is up; the upstream's replies are consumed
+here and only its heartbeat commands matter: a ``FullSyncCommand`` it asks for (e.g. after the
+upstream restarted) is added to that worker's next heartbeat reply, so both controllers rebuild
+from the same full sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket as _socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from smetric_lmc.controller import lmcache_proto as P
+
+__all__ = ["LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+_UPSTREAM_HWM = 10_000
+
+
+class LMCacheSink(Protocol):
+    """Index-side receiver of LMCache local-tier reports, keyed by our instance id."""
+
+    def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
+
+    def lmcache_evict(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
+
+    def lmcache_cleared(self, instance_id: str) -> None: ...
+
+    def lmcache_worker_seen(self, instance_id: str) -> None: ...
+
+
+def identity_resolver(lmcache_instance_id: str, worker_id: int) -> str | None:
+    """Default mapping: LMCache's ``lmcache_instance_id`` is our instance id, for every rank."""
+    return lmcache_instance_id
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Snapshot of one LMCache worker as this server knows it."""
+
+    lmcache_instance_id: str
+    worker_id: int
+    instance_id: str | None
+    ip: str
+    port: int
+    peer_init_url: str | None
+    registered: bool
+    registered_at: float
+    last_seen: float
+    last_heartbeat: float | None
+    sync_state: str | None
+
+
+_SYNCING, _COMPLETED, _FAILED = "syncing", "completed", "failed"
+
+
+@dataclass
+class _Sync:
+    sync_id: str
+    location: str
+    expected_batches: int
+    state: str = _SYNCING
+    batches: set[int] = field(default_factory=set)
+    keys_received: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Worker:
+    lmc_id: str
+    worker_id: int
+    ip: str = ""
+    port: int = 0
+    peer_init_url: str | None = None
+    instance_id: str | None = None
+    # False while the worker is known only from PUSHed reports (e.g. after our restart, before
+    # its next heartbeat re-registers it).
+    registered: bool = False
+    registered_at: float = 0.0
+    last_seen: float = 0.0
+    last_heartbeat: float | None = None
+    sync: _Sync | None = None
+    seq: dict[str, int] = field(default_factory=dict)
+
+
+_Slot = tuple[str, int, str]  # (lmcache instance id, worker id, location)
+
+
+class _Holdings:
+    """Which (worker, location) sources of one instance hold each chunk.
+
+    The sink is per instance while LMCache reports per worker and per location (CPU, disk).
+    A chunk leaves the instance only when its last source drops it, so an eviction from CPU does
+    not hide a copy still on disk and one rank re-registering does not wipe the other ranks.
+    """
+
+    def __init__(self) -> None:
+        self.bits: dict[_Slot, int] = {}
+        self.chunks: dict[int, int] = {}
+
+    def bit(self, slot: _Slot) -> int:
+        b = self.bits.get(slot)
+        if b is None:
+            used = 0
+            for v in self.bits.values():
+                used |= v
+            b = 1
+            while b & used:
+                b <<= 1
+            self.bits[slot] = b
+        return b
+
+    def apply(self, slot: _Slot, ops: Iterable[tuple[bool, int]]) -> tuple[list[int], list[int]]:
+        """Apply (is_admit, key) ops in order; return the instance-level (admitted, evicted)."""
+        b = self.bit(slot)
+        chunks = self.chunks
+        before: dict[int, int] = {}
+        for is_admit, key in ops:
+            mask = chunks.get(key, 0)
+            if key not in before:
+                before[key] = mask
+            if is_admit:
+                chunks[key] = mask | b
+            elif mask & b:
+                mask &= ~b
+                if mask:
+                    chunks[key] = mask
+                else:
+                    del chunks[key]
+        admitted = [k for k, m in before.items() if not m and k in chunks]
+        evicted = [k for k, m in before.items() if m and k not in chunks]
+        return admitted, evicted
+
+    def drop(self, match: Callable[[_Slot], bool]) -> list[int]:
+        """Forget every source matching ``match``; return the chunks the instance no longer holds."""
+        mask = 0
+        for slot in [s for s in self.bits if match(s)]:
+            mask |= self.bits.pop(slot)
+        if not mask:
+            return []
+        gone: list[int] = []
+        keep = ~mask
+        for key, m in list(self.chunks.items()):
+            if m & mask:
+                m &= keep
+                if m:
+                    self.chunks[key] = m
+                else:
+                    del self.chunks[key]
+                    gone.append(key)
+        return gone
+
+    def prefix_len(self, slot: _Slot, hashes: list[int]) -> int:
+        b = self.bits.get(slot)
+        if b is None:
+            return 0
+        n = 0
+        for h in hashes:
+            if not self.chunks.get(h, 0) & b:
+                break
+            n += 1
+        return n
+
+
+class LMCacheWorkerServer:
+    """LMCache-protocol endpoint for workers; feeds an index sink. See module docstring."""
+
+    def __init__(
+        self,
+        sink: LMCacheSink,
+        *,
+        pull_url: str = "tcp://127.0.0.1:8300",
+        reply_url: str = "tcp://127.0.0.1:8400",
+        heartbeat_url: str | None = None,
+        upstream_pull_url: str | None = None,
+        upstream_reply_url: str | None = None,
+        resolve_instance: Callable[[str, int], str | None] = identity_resolver,
+        heartbeat_advertise: str | None = None,
+        full_sync_on_start: bool = True,
+        full_sync_completion_threshold: float = 0.8,
+        full_sync_timeout_s: float = 300.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        upstream_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._sink = sink
+        self._urls = {"pull": pull_url, "reply": reply_url, "heartbeat": heartbeat_url}
+        self._resolve = resolve_instance
+        self._heartbeat_advertise = heartbeat_advertise
+        # Like LMCache's controller: right after start nothing is known about workers' caches,
+        # so registered workers are asked for a full sync until enough of them completed one.
+        self._need_full_sync_all = full_sync_on_start
+        self._threshold = full_sync_completion_threshold
+        self._sync_timeout = full_sync_timeout_s
+        self._max_frame = max_frame_bytes
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._upstream = (
+            _Upstream(self._ctx, upstream_pull_url, upstream_reply_url, upstream_timeout_s)
+            if upstream_pull_url is not None or upstream_reply_url is not None
+            else None
+        )
+        self._socks: dict[str, zmq.asyncio.Socket] = {}
+        self._endpoints: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._workers: dict[tuple[str, int], _Worker] = {}
+        self._holdings: dict[str, _Holdings] = {}
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "pull_frames", "router_frames", "heartbeat_frames", "decode_errors",
+                "wrong_socket", "oversize_frames", "malformed_envelopes", "internal_errors",
+                "kv_ops", "kv_ops_unresolved", "kv_ops_during_sync", "seq_gaps",
+                "registers", "deregisters", "heartbeats", "unknown_heartbeats",
+                "full_sync_started", "full_sync_rejected", "full_sync_completed",
+                "full_sync_stray", "p2p_lookups", "legacy_single_ops",
+                "send_errors",
+            ),
+            0,
+        )
+        self._closed = False
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Bind the worker-facing sockets (and connect the upstream) and start serving."""
+        self._bind("pull", zmq.PULL)
+        self._bind("reply", zmq.ROUTER)
+        if self._urls["heartbeat"] is not None:
+            self._bind("heartbeat", zmq.ROUTER)
+        if self._upstream is not None:
+            self._upstream.start()
+        self._tasks.append(asyncio.create_task(self._pull_loop(), name="lmcache-pull"))
+        self._tasks.append(asyncio.create_task(self._router_loop("reply"), name="lmcache-reply"))
+        if "heartbeat" in self._socks:
+            self._tasks.append(asyncio.create_task(self._router_loop("heartbeat"), name="lmcache-hb"))
+        log.info("LMCache worker endpoint up: %s", self._endpoints)
+
+    async def close(self) -> None:
+        """Stop serving and close every socket; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._upstream is not None:
+            await self._upstream.close()
+        for s in self._socks.values():
+            s.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _bind(self, name: str, kind: int) -> None:
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a peer that sends a larger frame before it reaches us.
+        s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        url = self._urls[name]
+        assert url is not None
+        s.bind(url)
+        self._socks[name] = s
+        self._endpoints[name] = s.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # ---- introspection ----
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters (frames, errors, drops, ops, upstream traffic); a copy."""
+        out = dict(self._stats)
+        if self._upstream is not None:
+            out.update(self._upstream.stats)
+        return out
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """Actually bound endpoints by socket name ("pull", "reply", "heartbeat")."""
+        return dict(self._endpoints)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Known workers, in first-seen order."""
+        return [
+            WorkerInfo(
+                lmcache_instance_id=w.lmc_id,
+                worker_id=w.worker_id,
+                instance_id=w.instance_id,
+                ip=w.ip,
+                port=w.port,
+                peer_init_url=w.peer_init_url,
+                registered=w.registered,
+                registered_at=w.registered_at,
+                last_seen=w.last_seen,
+                last_heartbeat=w.last_heartbeat,
+                sync_state=self._sync_state(w),
+            )
+            for w in self._workers.values()
+        ]
+
+    # ---- socket loops ----
+
+    async def _pull_loop(self) -> None:
+        sock = self._socks["pull"]
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.warning("PULL receive failed: %s", exc)
+                continue
+            sender: tuple[str, int] | None = None
+            for frame in frames:
+                self._stats["pull_frames"] += 1
+                try:
+                    key = self._on_push_frame(frame)
+                except Exception:
+                    key = None
+                    self._stats["internal_errors"] += 1
+                    log.exception("error handling a PULL frame")
+                sender = sender or key
+            if self._upstream is not None:
+                self._upstream.forward_push(frames, sender)
+
+    async def _router_loop(self, name: str) -> None:
+        sock = self._socks[name]
+        heartbeat_only = name == "heartbeat"
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.warning("%s receive failed: %s", name, exc)
+                continue
+            self._stats[f"{name if heartbeat_only else 'router'}_frames"] += 1
+            if len(frames) < 2:
+                # A ROUTER always prepends the identity; fewer frames cannot be answered.
+                self._stats["malformed_envelopes"] += 1
+                continue
+            envelope, payload = frames[:-1], frames[-1]
+            try:
+                reply = self._on_request_frame(payload, heartbeat_only)
+            except Exception as exc:
+                self._stats["internal_errors"] += 1
+                log.exception("error handling a %s request", name)
+                reply = P.ErrorMsg(error=f"internal error: {type(exc).__name__}")
+            try:
+                await sock.send_multipart([*envelope, P.encode(reply)])
+            except zmq.ZMQError as exc:
+                self._stats["send_errors"] += 1
+                log.warning("%s reply failed: %s", name, exc)
+
+    # ---- frame dispatch ----
+
+    def _decode(self, frame: bytes) -> P.AnyMsg:
+        if len(frame) > self._max_frame:
+            self._stats["oversize_frames"] += 1
+            raise P.ProtocolError(f"frame of {len(frame)} bytes exceeds {self._max_frame}")
+        try:
+            return P.decode(frame)
+        except P.ProtocolError:
+            self._stats["decode_errors"] += 1
+            raise
+
+    def _on_push_frame(self, frame: bytes) -> tuple[str, int] | None:
+        """Apply one PULL frame; return the (instance, worker) it came from, if valid."""
+        try:
+            msg = self._decode(frame)
+        except P.ProtocolError as exc:
+            log.debug("dropping undecodable PULL frame: %s", exc)
+            return None
+        if isinstance(msg, P.BatchedKVOperationMsg):
+            self._on_kv_ops(msg.instance_id, msg.worker_id, msg.location,
+                            [(op.op_type == "admit", op.key, op.seq_num) for op in msg.operations])
+        elif isinstance(msg, P.FullSyncBatchMsg):
+            self._on_sync_batch(msg)
+        elif isinstance(msg, P.FullSyncEndMsg):
+            self._on_sync_end(msg)
+        elif isinstance(msg, P.DeRegisterMsg):
+            self._on_deregister(msg)
+        elif isinstance(msg, (P.KVAdmitMsg, P.KVEvictMsg)):
+            # No longer sent by 0.5.x workers (LMCache's controller ignores them); applying them
+            # costs nothing and keeps older workers useful.
+            self._stats["legacy_single_ops"] += 1
+            self._on_kv_ops(msg.instance_id, msg.worker_id, msg.location,
+                            [(isinstance(msg, P.KVAdmitMsg), msg.key, msg.seq_num)])
+        else:
+            self._stats["wrong_socket"] += 1
+            log.debug("dropping %s received on PULL", type(msg).__name__)
+            return None
+        return msg.instance_id, msg.worker_id
+
+    def _on_request_frame(self, frame: bytes, heartbeat_only: bool) -> P.ReplyMsg:
+        try:
+            msg = self._decode(frame)
+        except P.ProtocolError as exc:
+            if heartbeat_only and exc.lmcache_type is not None:
+                return P.ErrorMsg(error=_expected_heartbeat(exc.lmcache_type))
+            return P.ErrorMsg(error=str(exc))
+        if heartbeat_only and not isinstance(msg, P.HeartbeatMsg):
+            self._stats["wrong_socket"] += 1
+            return P.ErrorMsg(error=_expected_heartbeat(type(msg).__name__))
+        if not isinstance(msg, P.WORKER_REQ_TYPES):
+            self._stats["wrong_socket"] += 1
+            return P.ErrorMsg(error=P.unknown_type_error(msg))
+        if self._upstream is not None:
+            self._upstream.forward_request((msg.instance_id, msg.worker_id), frame)
+        if isinstance(msg, P.HeartbeatMsg):
+            return self._on_heartbeat(msg)
+        if isinstance(msg, P.RegisterMsg):
+            return self._on_register(msg)
+        if isinstance(msg, P.FullSyncStartMsg):
+            return self._on_sync_start(msg)
+        if isinstance(msg, P.FullSyncStatusMsg):
+            return self._on_sync_status(msg)
+        return self._on_p2p_lookup(msg)
+
+    # ---- worker registry ----
+
+    def _worker(self, lmc_id: str, worker_id: int, *, create: bool = True) -> _Worker | None:
+        key = (lmc_id, worker_id)
+        w = self._workers.get(key)
+        if w is None and create:
+            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id)
+        if w is not None:
+            w.last_seen = time.time()
+            if w.instance_id is None:
+                try:
+                    w.instance_id = self._resolve(lmc_id, worker_id)
+                except Exception:
+                    self._stats["internal_errors"] += 1
+                    log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
+            if w.instance_id is not None:
+                self._sink.lmcache_worker_seen(w.instance_id)
+        return w
+
+    def _set_addr(self, w: _Worker, msg: P.RegisterMsg | P.HeartbeatMsg) -> None:
+        w.ip, w.port, w.peer_init_url = msg.ip, msg.port, msg.peer_init_url
+        w.registered = True
+        w.registered_at = time.time()
+
+    def _on_register(self, msg: P.RegisterMsg) -> P.RegisterRetMsg:
+        self._stats["registers"] += 1
+        w = self._worker(msg.instance_id, msg.worker_id)
+        assert w is not None
+        # A RegisterMsg comes from a (re)started worker: whatever it reported before is gone.
+        self._set_addr(w, msg)
+        w.sync = None
+        w.seq.clear()
+        self._clear_sources(w, None)
+        extra: dict[str, str] = {}
+        hb = self._advertised_heartbeat(msg.ip)
+        if hb is not None:
+            extra["heartbeat_url"] = hb
+        return P.RegisterRetMsg(extra_config=extra)
+
+    def _on_deregister(self, msg: P.DeRegisterMsg) -> None:
+        self._stats["deregisters"] += 1
+        w = self._workers.pop((msg.instance_id, msg.worker_id), None)
+        if w is None:
+            return
+        self._clear_sources(w, None)
+        if self._upstream is not None:
+            self._upstream.drop_worker((msg.instance_id, msg.worker_id))
+
+    def _on_heartbeat(self, msg: P.HeartbeatMsg) -> P.HeartbeatRetMsg:
+        self._stats["heartbeats"] += 1
+        w = self._worker(msg.instance_id, msg.worker_id)
+        assert w is not None
+        w.last_heartbeat = time.time()
+        commands: list[P.HeartbeatCommand] = []
+        if not w.registered:
+            # Unknown to us (e.g. we restarted): register it and ask for everything it holds.
+            # What it PUSHed meanwhile stays applied until its full sync replaces it.
+            self._stats["unknown_heartbeats"] += 1
+            self._set_addr(w, msg)
+            commands.append(P.FullSyncCommand(reason="worker_re_registered"))
+        else:
+            state = self._sync_state(w)
+            if self._need_full_sync_all and state not in (_SYNCING, _COMPLETED):
+                commands.append(P.FullSyncCommand(reason="controller_restart"))
+            elif state == _FAILED:
+                commands.append(P.FullSyncCommand(reason="sync_failed_retry"))
+        if self._upstream is not None:
+            wanted = self._upstream.take_commands((msg.instance_id, msg.worker_id))
+            if not any(isinstance(c, P.FullSyncCommand) for c in commands):
+                commands.extend(wanted)
+        return P.HeartbeatRetMsg(commands=commands)
+
+    # ---- KV reports ----
+
+    def _on_kv_ops(self, lmc_id: str, worker_id: int, location: str,
+                   ops: list[tuple[bool, int, int]]) -> None:
+        self._stats["kv_ops"] += len(ops)
+        if not ops:
+            return
+        w = self._worker(lmc_id, worker_id)
+        assert w is not None
+        if self._sync_state(w) == _SYNCING:
+            # The running full sync is the truth for this worker; LMCache discards these too.
+            self._stats["kv_ops_during_sync"] += len(ops)
+            return
+        last = w.seq.get(location)
+        for _, _, seq in ops:
+            if last is not None and seq != last + 1:
+                self._stats["seq_gaps"] += 1
+            last = seq
+        w.seq[location] = last  # type: ignore[assignment]
+        if w.instance_id is None:
+            self._stats["kv_ops_unresolved"] += len(ops)
+            return
+        self._apply(w, location, [(a, k) for a, k, _ in ops])
+
+    def _apply(self, w: _Worker, location: str, ops: list[tuple[bool, int]]) -> None:
+        assert w.instance_id is not None
+        h = self._holdings.setdefault(w.instance_id, _Holdings())
+        admitted, evicted = h.apply((w.lmc_id, w.worker_id, location), ops)
+        if evicted:
+            self._sink.lmcache_evict(w.instance_id, evicted)
+        if admitted:
+            self._sink.lmcache_admit(w.instance_id, admitted)
+
+    def _clear_sources(self, w: _Worker, location: str | None) -> None:
+        """Forget what ``w`` reported (one location or all) and tell the sink what left."""
+        if w.instance_id is None:
+            return
+        h = self._holdings.get(w.instance_id)
+        if h is None:
+            h = self._holdings[w.instance_id] = _Holdings()
+        gone = h.drop(lambda s: s[0] == w.lmc_id and s[1] == w.worker_id
+                      and (location is None or s[2] == location))
+        if not h.chunks:
+            self._sink.lmcache_cleared(w.instance_id)
+        elif gone:
+            self._sink.lmcache_evict(w.instance_id, gone)
+
+    # ---- full sync ----
+
+    def _sync_state(self, w: _Worker) -> str | None:
+        s = w.sync
+        if s is None:
+            return None
+        if s.state == _SYNCING and time.monotonic() - s.last_activity > self._sync_timeout:
+            s.state = _FAILED
+            log.warning("full sync %s of %s/%d timed out", s.sync_id, w.lmc_id, w.worker_id)
+        return s.state
+
+    def _on_sync_start(self, msg: P.FullSyncStartMsg) -> P.FullSyncStartRetMsg:
+        w = self._worker(msg.instance_id, msg.worker_id, create=False)
+        ok = w is not None and w.registered
+        if ok and w is not None and self._sync_state(w) == _SYNCING and w.sync is not None:
+            ok = w.sync.sync_id == msg.sync_id
+        if not ok or w is None:
+            self._stats["full_sync_rejected"] += 1
+            return P.FullSyncStartRetMsg(
+                sync_id=msg.sync_id,
+                accepted=False,
+                error_msg="Failed to start sync: worker already syncing with "
+                "different sync_id or worker not found",
+            )
+        self._stats["full_sync_started"] += 1
+        w.sync = _Sync(sync_id=msg.sync_id, location=msg.location, expected_batches=msg.batch_count)
+        w.seq.pop(msg.location, None)
+        self._clear_sources(w, msg.location)
+        return P.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=True)
+
+    def _current_sync(self, lmc_id: str, worker_id: int, sync_id: str) -> tuple[_Worker, _Sync] | None:
+        w = self._worker(lmc_id, worker_id, create=False)
+        if w is None or w.sync is None or w.sync.sync_id != sync_id or self._sync_state(w) != _SYNCING:
+            self._stats["full_sync_stray"] += 1
+            return None
+        return w, w.sync
+
+    def _on_sync_batch(self, msg: P.FullSyncBatchMsg) -> None:
+        found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
+        if found is None:
+            return
+        w, s = found
+        s.batches.add(msg.batch_id)
+        s.keys_received += len(msg.keys)
+        s.last_activity = time.monotonic()
+        self._stats["kv_ops"] += len(msg.keys)
+        if w.instance_id is None:
+            self._stats["kv_ops_unresolved"] += len(msg.keys)
+            return
+        self._apply(w, msg.location, [(True, k) for k in msg.keys])
+
+    def _on_sync_end(self, msg: P.FullSyncEndMsg) -> None:
+        found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
+        if found is None:
+            return
+        _, s = found
+        if s.keys_received != msg.actual_total_keys:
+            log.warning("full sync %s: received %d keys, worker reports %d",
+                        s.sync_id, s.keys_received, msg.actual_total_keys)
+        s.state = _COMPLETED
+        s.last_activity = time.monotonic()
+        self._stats["full_sync_completed"] += 1
+
+    def _on_sync_status(self, msg: P.FullSyncStatusMsg) -> P.FullSyncStatusRetMsg:
+        w = self._worker(msg.instance_id, msg.worker_id, create=False)
+        s = w.sync if w is not None else None
+        state = self._sync_state(w) if w is not None else None
+        same = s is not None and s.sync_id == msg.sync_id
+        missing: list[int] = []
+        if same and s is not None and state == _SYNCING:
+            missing = sorted(set(range(s.expected_batches)) - s.batches)
+        registered = [x for x in self._workers.values() if x.registered]
+        ready = sum(1 for x in registered if self._sync_state(x) in (None, _COMPLETED))
+        progress = ready / len(registered) if registered else 0.0
+        can_exit = progress >= self._threshold
+        if can_exit:
+            self._need_full_sync_all = False
+        return P.FullSyncStatusRetMsg(
+            sync_id=msg.sync_id,
+            is_complete=same and state == _COMPLETED,
+            global_progress=float(progress),
+            can_exit_freeze=can_exit,
+            missing_batches=missing,
+        )
+
+    # ---- P2P lookup ----
+
+    def _on_p2p_lookup(self, msg: P.BatchedP2PLookupMsg) -> P.BatchedP2PLookupRetMsg:
+        self._stats["p2p_lookups"] += 1
+        self._worker(msg.instance_id, msg.worker_id, create=False)
+        none = P.BatchedP2PLookupRetMsg(layout_info=[("", "", 0, "")])
+        if not msg.hashes:
+            return none
+        # LMCache answers with the first registered holder of the first chunk; the longest prefix
+        # among peers is never worse for the requester, and equals it when one peer holds it.
+        best: tuple[int, str, str, str] | None = None
+        for w in self._workers.values():
+            if w.lmc_id == msg.instance_id or w.peer_init_url is None or w.instance_id is None:
+                continue
+            h = self._holdings.get(w.instance_id)
+            if h is None:
+                continue
+            for slot in h.bits:
+                if slot[0] != w.lmc_id or slot[1] != w.worker_id:
+                    continue
+                n = h.prefix_len(slot, msg.hashes)
+                if n and (best is None or n > best[0]):
+                    best = (n, w.lmc_id, slot[2], w.peer_init_url)
+        if best is None:
+            return none
+        n, lmc_id, location, url = best
+        return P.BatchedP2PLookupRetMsg(layout_info=[(lmc_id, location, n, url)])
+
+    # ---- heartbeat URL advertised to workers ----
+
+    def _advertised_heartbeat(self, worker_ip: str) -> str | None:
+        if self._heartbeat_advertise is not None:
+            return self._heartbeat_advertise
+        ep = self._endpoints.get("heartbeat")
+        if ep is None:
+            return None
+        # LMCache workers prepend "tcp://" themselves, so the URL is "host:port".
+        hostport = ep.split("://", 1)[-1]
+        host, _, port = hostport.rpartition(":")
+        if host in ("0.0.0.0", "*", "", "[::]"):
+            try:
+                own = _socket.gethostbyname(_socket.gethostname())
+            except OSError:
+                own = "127.0.0.1"
+            host = "127.0.0.1" if worker_ip == own else own
+        return f"{host}:{port}"
+
+
+def _expected_heartbeat(name: str) -> str:
+    return f"Expected HeartbeatMsg, got <class '{P.LMCACHE_MESSAGE_MODULE}.{name}'>"
+
+
+@dataclass
+class _Channel:
+    """Upstream state of one worker."""
+
+    sock: zmq.asyncio.Socket
+    task: asyncio.Task[None] | None = None
+    inflight: int = 0
+    since: float = 0.0
+    backlog: list[list[bytes]] = field(default_factory=list)
+    commands: list[P.HeartbeatCommand] = field(default_factory=list)
+
+
+class _Upstream:
+    """Forwards raw worker frames to a real LMCache controller and consumes its replies."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, pull_url: str | None, reply_url: str | None,
+                 timeout_s: float) -> None:
+        self._ctx = ctx
+        self._pull_url = pull_url
+        self._reply_url = reply_url
+        self._timeout = timeout_s
+        self._push: zmq.asyncio.Socket | None = None
+        self._channels: dict[tuple[str, int], _Channel] = {}
+        self.stats = dict.fromkeys(
+            ("upstream_forwarded", "upstream_dropped", "upstream_replies", "upstream_errors"), 0)
+
+    def start(self) -> None:
+        if self._pull_url is not None:
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.setsockopt(zmq.SNDHWM, _UPSTREAM_HWM)
+            self._push.connect(self._pull_url)
+
+    async def close(self) -> None:
+        tasks = [c.task for c in self._channels.values() if c.task is not None]
+        for key in list(self._channels):
+            self.drop_worker(key, flush=False)
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._push is not None:
+            self._push.close(linger=0)
+
+    def take_commands(self, key: tuple[str, int]) -> list[P.HeartbeatCommand]:
+        ch = self._channels.get(key)
+        if ch is None or not ch.commands:
+            return []
+        out, ch.commands = ch.commands, []
+        return out
+
+    def drop_worker(self, key: tuple[str, int], *, flush: bool = True) -> None:
+        ch = self._channels.pop(key, None)
+        if ch is None:
+            return
+        if flush:
+            self._flush(ch)
+        if ch.task is not None:
+            ch.task.cancel()
+        ch.sock.close(linger=0)
+
+    def forward_push(self, frames: list[bytes], key: tuple[str, int] | None) -> None:
+        if self._push is None:
+            return
+        ch = self._channels.get(key) if key is not None else None
+        if ch is not None and ch.inflight:
+            if time.monotonic() - ch.since < self._timeout:
+                # The worker sent this after getting our reply to its request; the upstream must
+                # see that request first (e.g. ops right after a RegisterMsg), so hold it back.
+                if len(ch.backlog) >= _UPSTREAM_HWM:
+                    self.stats["upstream_dropped"] += 1
+                else:
+                    ch.backlog.append(frames)
+                return
+            ch.inflight = 0  # upstream silent: stop holding back, forward best effort
+            self._flush(ch)
+        self._send_push(frames)
+
+    def forward_request(self, key: tuple[str, int], frame: bytes) -> None:
+        if self._reply_url is None:
+            return
+        ch = self._channels.get(key)
+        if ch is None:
+            # One DEALER per worker: the upstream sees each worker as its own peer, and every
+            # reply on this socket belongs to this worker.
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, _UPSTREAM_HWM)
+            sock.connect(self._reply_url)
+            ch = self._channels[key] = _Channel(sock=sock)
+            ch.task = asyncio.create_task(self._read(key, ch), name="lmcache-upstream")
+        try:
+            ch.sock.send_multipart([b"", frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.stats["upstream_dropped"] += 1
+            return
+        self.stats["upstream_forwarded"] += 1
+        if not ch.inflight:
+            ch.since = time.monotonic()
+        ch.inflight += 1
+
+    def _flush(self, ch: _Channel) -> None:
+        backlog, ch.backlog = ch.backlog, []
+        for frames in backlog:
+            self._send_push(frames)
+
+    def _send_push(self, frames: list[bytes]) -> None:
+        assert self._push is not None
+        try:
+            self._push.send_multipart(frames, flags=zmq.NOBLOCK)
+            self.stats["upstream_forwarded"] += 1
+        except zmq.ZMQError as exc:
+            self.stats["upstream_dropped"] += 1
+            log.debug("upstream PUSH failed: %s", exc)
+
+    async def _read(self, key: tuple[str, int], ch: _Channel) -> None:
+        while True:
+            try:
+                frames = await ch.sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return
+            self.stats["upstream_replies"] += 1
+            if ch.inflight:
+                ch.inflight -= 1
+                ch.since = time.monotonic()
+                if not ch.inflight:
+                    self._flush(ch)
+            try:
+                reply = P.decode(frames[-1])
+            except P.ProtocolError as exc:
+                self.stats["upstream_errors"] += 1
+                log.debug("undecodable upstream reply: %s", exc)
+                continue
+            if isinstance(reply, P.ErrorMsg):
+                self.stats["upstream_errors"] += 1
+                log.debug("upstream error for %s: %s", key, reply.error)
+            elif isinstance(reply, P.HeartbeatRetMsg) and reply.commands:
+                ch.commands = list(reply.commands)
