@@ -42,6 +42,7 @@ class InstanceConfig(_Cfg):
     kv_events: str | None = None  # vLLM KV events endpoint to subscribe to
     kv_events_bind: bool = False  # vLLM connects (endpoint without '*'): the controller binds instead
     replay: str | None = None  # vLLM KV events replay endpoint
+    kv_events_topic: str = "kv"  # must match the topic in vLLM's --kv-events-config
     lmcache_instance_id: str | None = None
     role: Literal["both", "prefill", "decode"] = "both"
     node: str = "node0"  # instances on one node share its link to the global tier
@@ -53,11 +54,22 @@ class HashingConfig(_Cfg):
     fast_namespace: str = ""  # seeds the controller's own chain (e.g. the model name)
     lmcache_chunk_size: int = 256
     lmcache_hash: Literal["builtin", "sha256_cbor"] = "builtin"
-    lmcache_root: int = 0  # NONE_HASH the LMCache chain starts from (0 when LMCache runs without vLLM hashing)
+    # NONE_HASH the LMCache chain starts from: an int, or how LMCache derives it — "zero" (LMCache
+    # without vLLM), "vllm_builtin" / "vllm_sha256_cbor" (with vLLM; these depend on the workers'
+    # PYTHONHASHSEED, given as lmcache_root_seed).
+    lmcache_root: int | Literal["zero", "vllm_builtin", "vllm_sha256_cbor"] = 0
+    lmcache_root_seed: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.lmcache_chunk_size <= 0:
             raise ValueError("block sizes must be positive")
+
+    def lmcache_root_value(self) -> int:
+        if isinstance(self.lmcache_root, int):
+            return self.lmcache_root
+        from smetric_lmc.hashing import lmcache_root
+
+        return lmcache_root(self.lmcache_root, seed=self.lmcache_root_seed)
 
 
 class GlobalStoreConfig(_Cfg):

@@ -27,7 +27,6 @@ bit is kept, so each instance's longest prefix is exact.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 
 from smetric_lmc.hashing import FAST_ROOT, fast_chain
@@ -64,17 +63,6 @@ class Lookup:
         return self.global_chunks * self.chunk_size
 
 
-class _Node:
-    """A GPU-space block's tree links (its mask lives in ``TierIndex._mask``: one probe less per lookup)."""
-
-    __slots__ = ("parent", "kids", "engine_hash")
-
-    def __init__(self, parent: int, engine_hash: int | None) -> None:
-        self.parent = parent
-        self.kids: list[int] | None = None
-        self.engine_hash = engine_hash
-
-
 class TierIndex:
     """Event-driven index of the local (GPU, LMCache) and global tiers of every instance."""
 
@@ -84,8 +72,14 @@ class TierIndex:
         self.fast_root = fast_root
         self._slots: dict[str, int] = {}
         self._ids: list[str | None] = []  # slot -> instance id
-        self._nodes: dict[int, _Node] = {}
-        self._mask: dict[int, int] = {}  # our block hash -> complete slot mask (same keys as _nodes)
+        # The GPU-space tree lives in dicts of plain ints, which the garbage collector does not
+        # track: a million per-block objects would make every full collection a long pause.
+        self._mask: dict[int, int] = {}  # our block hash -> complete slot mask (the node set)
+        self._parent: dict[int, int] = {}  # block -> parent block (absent at the root)
+        self._kid: dict[int, int] = {}  # block -> first child
+        self._more_kids: dict[int, list[int]] = {}  # block -> further children (branch points only)
+        self._engine: dict[int, int] = {}  # our block hash -> engine hash that stored it first
+        self._slot_blocks: dict[int, int] = {}  # slot -> GPU blocks it holds
         self._alias: dict[int, int] = {}  # engine block hash -> our hash
         self._lmc: dict[int, int] = {}  # chunk hash -> slot mask
         self._global: set[int] = set()
@@ -139,6 +133,7 @@ class TierIndex:
         self.gpu_cleared(instance_id)
         self.lmcache_cleared(instance_id)
         slot = self._slots.pop(instance_id)
+        self._slot_blocks.pop(slot, None)
         self._ids[slot] = None
         i = self._order.index(instance_id)
         del self._order[i]
@@ -188,30 +183,34 @@ class TierIndex:
         if slot is None:
             return 0
         bit = 1 << slot
-        nodes, masks = self._nodes, self._mask
-        prev = self.fast_root if parent is None else parent
-        if prev != self.fast_root and not masks.get(prev, 0) & bit:
+        masks, parents, kid = self._mask, self._parent, self._kid
+        root = self.fast_root
+        prev = root if parent is None else parent
+        if prev != root and not masks.get(prev, 0) & bit:
             self.stats["gpu_orphans"] += len(hashes)
             return 0
+        added = 0
         for j, h in enumerate(hashes):
-            node = nodes.get(h)
-            if node is None:
-                eh = engine_hashes[j] if engine_hashes is not None else None
-                node = _Node(prev, eh)
-                nodes[h] = node
-                if eh is not None:
-                    self._alias[eh] = h
-                if prev != self.fast_root:
-                    pn = nodes[prev]
-                    if pn.kids is None:
-                        pn.kids = [h]
+            m = masks.get(h)
+            if m is None:
+                m = 0
+                if prev != root:
+                    parents[h] = prev
+                    if prev in kid:
+                        self._more_kids.setdefault(prev, []).append(h)
                     else:
-                        pn.kids.append(h)
-            elif engine_hashes is not None and node.engine_hash is None:
-                node.engine_hash = engine_hashes[j]
+                        kid[prev] = h
+                if engine_hashes is not None:
+                    self._engine[h] = engine_hashes[j]
+                    self._alias[engine_hashes[j]] = h
+            elif engine_hashes is not None and h not in self._engine:
+                self._engine[h] = engine_hashes[j]
                 self._alias[engine_hashes[j]] = h
-            masks[h] = masks.get(h, 0) | bit
+            if not m & bit:
+                added += 1
+                masks[h] = m | bit
             prev = h
+        self._slot_blocks[slot] = self._slot_blocks.get(slot, 0) + added
         self.stats["gpu_stored"] += len(hashes)
         return len(hashes)
 
@@ -228,7 +227,7 @@ class TierIndex:
                 self.stats["gpu_unknown_removed"] += 1
                 continue
             known += 1
-            self._clear_subtree(h, 1 << slot)
+            self._clear_subtree(h, slot)
         self.stats["gpu_removed"] += known
         return known
 
@@ -239,42 +238,60 @@ class TierIndex:
             return 0
         n = 0
         for h in hashes:
-            if h in self._nodes:
-                self._clear_subtree(h, 1 << slot)
+            if h in self._mask:
+                self._clear_subtree(h, slot)
                 n += 1
         self.stats["gpu_removed"] += n
         return n
 
-    def _clear_subtree(self, h: int, bit: int) -> None:
+    def _children(self, h: int) -> list[int]:
+        first = self._kid.get(h)
+        if first is None:
+            return []
+        return [first, *self._more_kids.get(h, ())]
+
+    def _clear_subtree(self, h: int, slot: int) -> None:
         # A block the slot no longer holds cuts its contiguous prefix: descendants go with it.
-        nodes, masks = self._nodes, self._mask
+        masks = self._mask
+        bit = 1 << slot
+        cleared = 0
         stack = [h]
         while stack:
             x = stack.pop()
             m = masks.get(x, 0)
             if not m & bit:
                 continue
-            node = nodes[x]
-            if node.kids:
-                stack.extend(node.kids)
+            stack.extend(self._children(x))
+            cleared += 1
             m &= ~bit
             if m:
                 masks[x] = m
             else:
-                self._delete_node(x, node)
+                self._delete_node(x)
+        if cleared:
+            self._slot_blocks[slot] -= cleared
 
-    def _delete_node(self, h: int, node: _Node) -> None:
+    def _delete_node(self, h: int) -> None:
         # mask == 0 implies every descendant's mask is 0 too, so they are deleted by the same sweep.
-        del self._nodes[h]
         del self._mask[h]
-        if node.engine_hash is not None and self._alias.get(node.engine_hash) == h:
-            del self._alias[node.engine_hash]
-        parent = self._nodes.get(node.parent)
-        if parent is not None and parent.kids:
-            if h in parent.kids:
-                parent.kids.remove(h)
-            if not parent.kids:
-                parent.kids = None
+        self._kid.pop(h, None)
+        self._more_kids.pop(h, None)
+        eh = self._engine.pop(h, None)
+        if eh is not None and self._alias.get(eh) == h:
+            del self._alias[eh]
+        p = self._parent.pop(h, None)
+        if p is None:
+            return
+        extra = self._more_kids.get(p)
+        if self._kid.get(p) == h:
+            if extra:
+                self._kid[p] = extra.pop()
+            else:
+                self._kid.pop(p, None)
+        elif extra and h in extra:
+            extra.remove(h)
+        if extra is not None and not extra:
+            del self._more_kids[p]
 
     def gpu_cleared(self, instance_id: str) -> None:
         """``AllBlocksCleared`` / engine restart: the instance holds nothing on its GPU."""
@@ -292,9 +309,8 @@ class TierIndex:
                 if not m:
                     dead.append(h)
         for h in dead:
-            node = self._nodes.get(h)
-            if node is not None:
-                self._delete_node(h, node)
+            self._delete_node(h)
+        self._slot_blocks[slot] = 0
         self.stats["gpu_cleared"] += 1
 
     # ---- LMCache local tier --------------------------------------------------------------------
@@ -432,30 +448,18 @@ class TierIndex:
     # ---- introspection -------------------------------------------------------------------------
     def gpu_blocks_of(self, instance_id: str) -> int:
         slot = self._slots.get(instance_id)
-        if slot is None:
-            return 0
-        bit = 1 << slot
-        return sum(1 for m in self._mask.values() if m & bit)
+        return 0 if slot is None else self._slot_blocks.get(slot, 0)
+
+    def gpu_block_counts(self) -> dict[str, int]:
+        return {iid: self._slot_blocks.get(self._slots[iid], 0) for iid in self._order}
 
     def sizes(self) -> dict[str, int]:
         return {
-            "gpu_nodes": len(self._nodes),
+            "gpu_nodes": len(self._mask),
             "gpu_aliases": len(self._alias),
             "lmcache_chunks": len(self._lmc),
             "global_chunks": len(self._global),
         }
-
-    def approx_bytes(self) -> int:
-        """Rough memory held by the index structures (for the per-block figure)."""
-        total = sys.getsizeof(self._nodes) + sys.getsizeof(self._mask) + sys.getsizeof(self._alias)
-        total += sys.getsizeof(self._lmc) + sys.getsizeof(self._global)
-        for h, node in self._nodes.items():
-            total += sys.getsizeof(h) + sys.getsizeof(node) + sys.getsizeof(self._mask[h])
-            if node.kids:
-                total += sys.getsizeof(node.kids)
-        total += sum(sys.getsizeof(k) for k in self._alias)
-        return total
-
 
 def _expand(groups: Groups, scale: int, pos: dict[int, int], n: int, all_mask: int) -> list[int]:
     """Per-instance list from hit groups. Starts from the largest group's value so the Python-level

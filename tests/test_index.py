@@ -165,6 +165,15 @@ def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
         q = path_to(parent, rng.choice(nodes))
         got = ix.lookup(q).gpu_blocks
         assert got == [naive.hit(i, q) for i in insts]
+    assert [ix.gpu_blocks_of(i) for i in insts] == [len(naive.held.get(i, ())) for i in insts]
+    # Completeness: a slot holding a block holds its parent; the tree links match the masks.
+    for h, m in ix._mask.items():
+        p = ix._parent.get(h)
+        assert m and (p is None or ix._mask[p] & m == m)
+        assert (p is None) == (parent[h] is None)
+    for p, k in ix._kid.items():
+        assert ix._parent[k] == p
+        assert all(ix._parent[x] == p for x in ix._more_kids.get(p, []))
 
 
 def test_fixture_frames_predict_the_engines_cached_tokens(vllm_fixture):

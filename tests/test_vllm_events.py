@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+
 from smetric_lmc.controller.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -1,0 +1,547 @@
+"""The controller: builds every part from a ``Config``, runs them, and keeps instances' liveness.
+
+Parts: the two-tier index, load tracker and router (shared with the simulator); one vLLM KV
+event subscriber per instance; the LMCache worker server; the global-tier adapter (Redis or
+Mooncake); the engine-metrics poller; the route service; the Prometheus/healthz endpoint.
+
+Liveness: an instance is routable while it shows signs of life (KV events, LMCache worker
+messages, successful engine-metrics polls). One silent for ``load.instance_timeout_s`` is dropped
+from the index and the load tracker, so routing skips it; its next sign of life registers it again
+and its index rebuilds from the events that follow. The rule is only enforced when a source
+that speaks even while the engine is idle exists (engine-metrics polling or LMCache heartbeats),
+since an idle engine emits no KV events and would otherwise be dropped for being idle.
+
+Hot reload: the ``policy`` section is re-read when the config file changes (mtime polled) or on
+SIGHUP; a bad file is logged and ignored; other sections need a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from smetric_lmc.config import Config, ConfigError, load_config
+from smetric_lmc.hashing import fast_root
+from smetric_lmc.index import TierIndex
+from smetric_lmc.load import LoadTracker
+from smetric_lmc.router import Router
+
+from .engine_metrics import EngineMetricsPoller
+from .metrics import (
+    ControllerMetrics,
+    InstanceState,
+    MetricsServer,
+    Snapshot,
+    StateCollector,
+    SubscriberState,
+)
+from .service import HashSettings, RouteCore, RouteService
+
+log = logging.getLogger(__name__)
+
+
+class LiveSink:
+    """The index as event sources see it: every per-instance update is also a sign of life.
+
+    An update for an instance that was dropped for silence registers it again first, so the
+    update lands instead of being counted as an unknown instance.
+    """
+
+    def __init__(self, index: TierIndex, seen: Callable[[str], None]) -> None:
+        self._index = index
+        self._seen = seen
+
+    def gpu_stored(self, instance_id: str, *args: Any, **kw: Any) -> int:
+        self._seen(instance_id)
+        return self._index.gpu_stored(instance_id, *args, **kw)
+
+    def gpu_removed(self, instance_id: str, block_hashes: Sequence[int]) -> int:
+        self._seen(instance_id)
+        return self._index.gpu_removed(instance_id, block_hashes)
+
+    def gpu_cleared(self, instance_id: str) -> None:
+        self._seen(instance_id)
+        self._index.gpu_cleared(instance_id)
+
+    def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None:
+        self._seen(instance_id)
+        self._index.lmcache_admit(instance_id, chunk_hashes)
+
+    def lmcache_evict(self, instance_id: str, chunk_hashes: Iterable[int]) -> None:
+        self._seen(instance_id)
+        self._index.lmcache_evict(instance_id, chunk_hashes)
+
+    def lmcache_cleared(self, instance_id: str) -> None:
+        self._seen(instance_id)
+        self._index.lmcache_cleared(instance_id)
+
+    def lmcache_worker_seen(self, instance_id: str) -> None:
+        self._seen(instance_id)
+
+    def __getattr__(self, name: str) -> Any:  # global_* and anything else go straight to the index
+        return getattr(self._index, name)
+
+
+class ControllerApp:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        config_path: str | Path | None = None,
+        reload_poll_s: float = 1.0,
+        enable_metrics_http: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.config_path = Path(config_path) if config_path is not None else None
+        self.reload_poll_s = reload_poll_s
+        self.enable_metrics_http = enable_metrics_http
+        self.ctx = zmq.asyncio.Context()
+        h = cfg.hashing
+        self.index = TierIndex(h.block_size, h.lmcache_chunk_size, fast_root=fast_root(h.fast_namespace))
+        self.load = LoadTracker()
+        self.disaggregated = cfg.pd_mode == "disaggregated"
+        self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
+        self.metrics = ControllerMetrics()
+        self.metrics.add_collector(StateCollector(self.snapshot))
+        self.hashing = HashSettings(
+            block_size=h.block_size,
+            fast_root=self.index.fast_root,
+            chunk_size=h.lmcache_chunk_size,
+            lmcache_algo=h.lmcache_hash,
+            lmcache_root=h.lmcache_root_value(),
+            want_chunks=cfg.lmcache.enabled or cfg.global_store.kind != "none",
+        )
+        self.core = RouteCore(
+            self.index,
+            self.load,
+            self.router,
+            cfg.instances,
+            self.hashing,
+            disaggregated=self.disaggregated,
+            metrics=self.metrics,
+            stats_fn=self._extra_stats,
+            global_store_fn=self.global_store_state,
+        )
+        srv = cfg.server
+        self.service = RouteService(
+            self.core,
+            srv.route_url,
+            curve_secret_key=srv.curve_secret_key,
+            curve_public_key=srv.curve_public_key,
+            ctx=self.ctx,
+        )
+        self.sink = LiveSink(self.index, self._seen)
+        self.subscribers: dict[str, Any] = {}
+        self.lmcache_server: Any = None
+        self.global_tier: Any = None
+        self.poller: EngineMetricsPoller | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._ids = [i.id for i in cfg.instances]
+        self._known = frozenset(self._ids)
+        self._last_seen: dict[str, float] = {}
+        self._routable: set[str] = set()
+        self._liveness_enforced = cfg.load.instance_timeout_s > 0 and (
+            cfg.load.metrics_poll_s > 0 or cfg.lmcache.enabled
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self._started = 0.0
+        self._config_stamp: tuple[int, int] | None = None
+        self.reloads = {"applied": 0, "rejected": 0, "unchanged": 0}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = time.monotonic()
+        for iid in self._ids:
+            self._register(iid)
+        self.service.bind()
+        self._spawn("route-service", self.service.run)
+        self._start_subscribers()
+        await self._start_lmcache()
+        self._start_global_tier()
+        self._start_poller()
+        if self.enable_metrics_http:
+            self.metrics_server = MetricsServer(
+                self.metrics, self.health_dict, self.cfg.server.metrics_host, self.cfg.server.metrics_port
+            )
+            await self.metrics_server.start()
+        if self._liveness_enforced:
+            self._spawn("liveness", self._liveness_loop)
+        if self.config_path is not None:
+            self._config_stamp = _stamp(self.config_path)
+            if self.reload_poll_s > 0:
+                self._spawn("config-watch", self._watch_config)
+        log.info(
+            "controller started route=%s instances=%d policy=%s pd_mode=%s global_store=%s lmcache=%s",
+            self.service.endpoint, len(self._ids), self.cfg.policy.name, self.cfg.pd_mode,
+            self.cfg.global_store.kind, self.cfg.lmcache.enabled,
+        )
+
+    async def serve(self, *, install_signals: bool = True) -> None:
+        """Start, run until SIGINT/SIGTERM (or ``request_stop``), then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        installed: list[int] = []
+        if install_signals:
+            for sig, handler in (
+                (signal.SIGINT, self.request_stop),
+                (signal.SIGTERM, self.request_stop),
+                (signal.SIGHUP, self.reload_config),
+            ):
+                loop.add_signal_handler(sig, handler)
+                installed.append(sig)
+        try:
+            await self.start()
+            await self._stop.wait()
+            log.info("controller stopping")
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.close()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        closers: list[Callable[[], Awaitable[Any]]] = [self.service.close]
+        if self.poller is not None:
+            closers.append(self.poller.close)
+        closers += [s.close for s in self.subscribers.values()]
+        if self.lmcache_server is not None:
+            closers.append(self.lmcache_server.close)
+        if self.global_tier is not None:
+            closers.append(self.global_tier.close)
+        if self.metrics_server is not None:
+            closers.append(self.metrics_server.close)
+        for close in closers:
+            try:
+                await asyncio.wait_for(close(), timeout=5.0)
+            except Exception:
+                log.exception("controller: shutdown step failed")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self.ctx.destroy(linger=0)
+        log.info("controller stopped")
+
+    def _spawn(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
+        self._tasks.append(asyncio.create_task(self._supervise(name, run), name=name))
+
+    async def _supervise(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
+        # A part that crashes is restarted: the controller must outlive any one peer's damage.
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("controller: part crashed part=%s restart_in_s=%.1f", name, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    # ---- parts ------------------------------------------------------------------------------------
+    def _start_subscribers(self) -> None:
+        try:
+            from .vllm_events import VllmEventSubscriber
+        except ImportError as exc:
+            if any(i.kv_events for i in self.cfg.instances):
+                log.error("vLLM KV events unavailable (%s): routing without the GPU tier", exc)
+            return
+        for inst in self.cfg.instances:
+            if not inst.kv_events:
+                continue
+            try:
+                sub = VllmEventSubscriber(
+                    inst.kv_events,
+                    inst.id,
+                    self.sink,
+                    topic=inst.kv_events_topic,
+                    replay_endpoint=inst.replay,
+                    bind=inst.kv_events_bind,
+                    ctx=self.ctx,
+                )
+            except zmq.ZMQError as exc:
+                log.error("vLLM events: cannot open instance=%s endpoint=%s error=%s", inst.id, inst.kv_events, exc)
+                continue
+            self.subscribers[inst.id] = sub
+            self._spawn(f"kv-events-{inst.id}", sub.run)
+            log.info("vLLM events instance=%s endpoint=%s bind=%s", inst.id, sub.endpoint, sub.binds)
+
+    async def _start_lmcache(self) -> None:
+        lc = self.cfg.lmcache
+        if not lc.enabled:
+            return
+        try:
+            from .lmcache_server import LMCacheWorkerServer
+        except ImportError as exc:
+            log.error("LMCache worker server unavailable (%s): routing without the LMCache tier", exc)
+            return
+        ids = {(i.lmcache_instance_id or i.id): i.id for i in self.cfg.instances}
+        server = LMCacheWorkerServer(
+            self.sink,
+            pull_url=lc.pull_url,
+            reply_url=lc.reply_url,
+            heartbeat_url=lc.heartbeat_url,
+            upstream_pull_url=lc.upstream_pull_url,
+            upstream_reply_url=lc.upstream_reply_url,
+            resolve_instance=lambda lmcache_id, _worker_id: ids.get(lmcache_id),
+        )
+        await server.start()
+        self.lmcache_server = server
+
+    def _start_global_tier(self) -> None:
+        gs = self.cfg.global_store
+        model = gs.model or self.cfg.model
+        try:
+            if gs.kind == "redis":
+                if not gs.url:
+                    log.error("global_store.kind=redis needs global_store.url: routing local-only")
+                    return
+                from .global_redis import RedisGlobalTier
+
+                self.global_tier = RedisGlobalTier(
+                    gs.url, self.index, model=model, world_size=gs.world_size,
+                    reconcile_interval_s=gs.reconcile_interval_s,
+                )
+            elif gs.kind == "mooncake":
+                from .global_mooncake import MooncakeGlobalTier
+
+                self.global_tier = MooncakeGlobalTier(
+                    self.index, model=model, world_size=gs.world_size, events_endpoint=gs.events_endpoint,
+                    master_http_url=gs.master_http, reconcile_interval_s=gs.reconcile_interval_s,
+                )
+            else:
+                return
+        except ImportError as exc:
+            log.error("global store %s unavailable (%s): routing local-only", gs.kind, exc)
+            return
+        self._spawn(f"global-{gs.kind}", self.global_tier.run)
+
+    def _start_poller(self) -> None:
+        if self.cfg.load.metrics_poll_s <= 0 or not self._ids:
+            return
+        self.poller = EngineMetricsPoller(
+            {i.id: i.http for i in self.cfg.instances},
+            self.load,
+            interval_s=self.cfg.load.metrics_poll_s,
+            grace_s=self.cfg.load.lost_done_grace_s,
+            on_result=self._poll_result,
+        )
+        self._spawn("engine-metrics", self.poller.run)
+
+    # ---- liveness ---------------------------------------------------------------------------------
+    def _register(self, iid: str) -> None:
+        self.index.register_instance(iid)
+        self.load.add_instance(iid)
+        self._routable.add(iid)
+        self._last_seen[iid] = time.monotonic()
+
+    def _seen(self, iid: str) -> None:
+        if iid not in self._known:
+            return
+        self._last_seen[iid] = time.monotonic()
+        if iid not in self._routable:
+            log.info("instance back: routable again instance=%s", iid)
+            self._register(iid)
+
+    def _poll_result(self, iid: str, ok: bool) -> None:
+        if ok:
+            self._seen(iid)
+
+    def check_liveness(self, now: float | None = None) -> list[str]:
+        """Drop instances silent for longer than the timeout; returns the ids dropped."""
+        now = time.monotonic() if now is None else now
+        timeout = self.cfg.load.instance_timeout_s
+        dropped = []
+        for iid in list(self._routable):
+            silent = now - self._last_seen.get(iid, now)
+            if silent > timeout:
+                self._routable.discard(iid)
+                self.index.drop_instance(iid)
+                self.load.remove_instance(iid)
+                dropped.append(iid)
+                log.warning("instance silent: leaves routing instance=%s silent_s=%.1f timeout_s=%.1f",
+                            iid, silent, timeout)
+        return dropped
+
+    async def _liveness_loop(self) -> None:
+        period = max(0.05, min(1.0, self.cfg.load.instance_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.check_liveness()
+
+    # ---- hot reload -------------------------------------------------------------------------------
+    async def _watch_config(self) -> None:
+        assert self.config_path is not None
+        while True:
+            await asyncio.sleep(self.reload_poll_s)
+            stamp = _stamp(self.config_path)
+            if stamp is not None and stamp != self._config_stamp:
+                self._config_stamp = stamp
+                self.reload_config()
+
+    def reload_config(self) -> bool:
+        """Re-read the policy section; returns True when a new policy took effect."""
+        if self.config_path is None:
+            log.warning("config reload: no config file to reload")
+            return False
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            self.reloads["rejected"] += 1
+            log.error("config reload ignored: %s", exc)
+            return False
+        old_sections = {k: v for k, v in msgspec.structs.asdict(self.cfg).items() if k != "policy"}
+        new_sections = {k: v for k, v in msgspec.structs.asdict(new).items() if k != "policy"}
+        restart_needed = sorted(k for k in old_sections if old_sections[k] != new_sections[k])
+        if restart_needed:
+            log.warning("config reload: only the policy section hot-reloads; restart to apply sections=%s",
+                        ",".join(restart_needed))
+        old = self.router.policy_cfg
+        if new.policy == old:
+            self.reloads["unchanged"] += 1
+            log.info("config reload: policy unchanged")
+            return False
+        a, b = msgspec.structs.asdict(old), msgspec.structs.asdict(new.policy)
+        changes = " ".join(f"{k}={a[k]!r}->{b[k]!r}" for k in a if a[k] != b[k])
+        self.router.set_policy(new.policy)
+        self.cfg = msgspec.structs.replace(self.cfg, policy=new.policy)
+        self.reloads["applied"] += 1
+        log.info("config reload: policy changed %s", changes)
+        return True
+
+    # ---- views ------------------------------------------------------------------------------------
+    def global_store_state(self) -> str:
+        kind = self.cfg.global_store.kind
+        if kind == "none":
+            return "none"
+        if self.global_tier is None:
+            return f"{kind}:unavailable"
+        return f"{kind}:up" if getattr(self.global_tier, "available", False) else f"{kind}:down"
+
+    def routable(self) -> list[str]:
+        return self.core.routable_ids()
+
+    def health_dict(self) -> dict[str, Any]:
+        h = self.core.health()
+        now = time.monotonic()
+        return {
+            "ok": h.ok,
+            "routable_instances": h.routable_instances,
+            "index_ready": h.index_ready,
+            "degraded": not h.index_ready,
+            "global_store": h.global_store,
+            "policy": self.router.policy_cfg.name,
+            "instances": {
+                iid: {
+                    "routable": iid in self._routable,
+                    "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3),
+                    "engine_metrics_ok": self.poller.healthy(iid) if self.poller is not None else None,
+                }
+                for iid in self._ids
+            },
+        }
+
+    def _extra_stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        out: dict[str, Any] = {
+            "uptime_s": round(now - self._started, 3) if self._started else 0.0,
+            "pd_mode": self.cfg.pd_mode,
+            "global_store": self.global_store_state(),
+            "route_socket": dict(self.service.counters),
+            "reloads": dict(self.reloads),
+            "liveness": {
+                iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3)}
+                for iid in self._ids
+            },
+            "kv_events": {iid: dataclasses.asdict(s.stats) for iid, s in self.subscribers.items()},
+        }
+        if self.poller is not None:
+            out["engine_metrics"] = {
+                iid: {k: v for k, v in dataclasses.asdict(st).items() if k != "last_ok"}
+                for iid, st in self.poller.state.items()
+            }
+        if self.lmcache_server is not None:
+            out["lmcache"] = _builtins(getattr(self.lmcache_server, "stats", {}))
+        if self.global_tier is not None:
+            out["global_tier"] = _builtins(getattr(self.global_tier, "stats", {}))
+        return _builtins(out)
+
+    def snapshot(self) -> Snapshot:
+        now = time.monotonic()
+        rows = []
+        for iid in self._ids:
+            st = self.poller.state.get(iid) if self.poller is not None else None
+            rows.append(
+                InstanceState(
+                    id=iid,
+                    routable=iid in self._routable,
+                    in_flight=self.load.in_flight(iid),
+                    unprefilled_tokens=self.load.unprefilled(iid),
+                    seconds_since_seen=now - self._last_seen.get(iid, now),
+                    engine_metrics_ok=st.ok if st is not None else None,
+                    engine_poll_failures=st.failures if st is not None else 0,
+                    healed_done=st.healed if st is not None else 0,
+                )
+            )
+        subs = []
+        for iid, sub in self.subscribers.items():
+            s = sub.stats
+            subs.append(
+                SubscriberState(
+                    instance=iid, events=dict(s.events), batches=s.batches, gaps=s.gaps, replays=s.replays,
+                    replay_failures=s.replay_failures, unfilled_gaps=s.unfilled_gaps, restarts=s.restarts,
+                    decode_errors=s.decode_errors, bad_frames=s.bad_frames, lag_s=s.lag_s,
+                )
+            )
+        components: dict[str, dict[str, Any]] = {"route_socket": dict(self.service.counters), "service": dict(self.core.counters)}
+        if self.lmcache_server is not None:
+            components["lmcache"] = _flat_numbers(_builtins(getattr(self.lmcache_server, "stats", {})))
+        if self.global_tier is not None:
+            components["global_tier"] = _flat_numbers(_builtins(getattr(self.global_tier, "stats", {})))
+        return Snapshot(
+            instances=rows,
+            subscribers=subs,
+            index_ready=self.core.index_ready,
+            index_sizes=self.index.sizes(),
+            index_stats=dict(self.index.stats),
+            global_available=None if self.cfg.global_store.kind == "none" else self.global_store_state().endswith(":up"),
+            components=components,
+        )
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _builtins(obj: Any) -> Any:
+    """Plain msgpack/JSON-able data out of whatever a part reports (dataclasses, structs, sets)."""
+    if callable(obj):
+        try:
+            obj = obj()
+        except Exception:
+            return {}
+    return msgspec.to_builtins(obj, str_keys=True, enc_hook=repr)
+
+
+def _flat_numbers(d: Any) -> dict[str, float]:
+    if not isinstance(d, dict):
+        return {}
+    return {k: v for k, v in d.items() if isinstance(v, bool | int | float)}

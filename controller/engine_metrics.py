@@ -1,0 +1,179 @@
+"""Engine ``/metrics`` poller: heals lost done reports and tells the controller an engine is alive.
+
+Every ``interval_s`` each instance's ``GET <http>/metrics`` is read and
+``vllm:num_requests_running + vllm:num_requests_waiting`` (summed over engines / data-parallel
+ranks) goes to ``LoadTracker.reconcile``. A poll that fails (connection refused, timeout,
+non-200, unparsable text, or neither gauge present) is counted and marks the instance's engine
+metrics unhealthy; the controller's liveness rule decides what that means for routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from smetric_lmc.load import LoadTracker
+
+log = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+#: vLLM's /metrics is ~100 KiB; anything far larger is not an engine we understand.
+MAX_BODY_BYTES = 8 << 20
+
+
+class EngineMetricsError(ValueError):
+    """The body is not Prometheus text carrying vLLM's request gauges."""
+
+
+def parse_engine_requests(text: str) -> int:
+    """Running + waiting requests in a vLLM ``/metrics`` body."""
+    total = 0.0
+    found = False
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name in (RUNNING, WAITING):
+                for sample in family.samples:
+                    if sample.name == family.name:
+                        total += sample.value
+                        found = True
+    except (ValueError, TypeError, IndexError) as exc:  # the parser's ways of saying "not Prometheus text"
+        raise EngineMetricsError(f"unparsable metrics: {exc}") from None
+    if not found:
+        raise EngineMetricsError(f"neither {RUNNING} nor {WAITING} present")
+    if total != total or total < 0:  # NaN or negative: an engine would never report that
+        raise EngineMetricsError(f"invalid request count {total}")
+    return int(round(total))
+
+
+@dataclass(slots=True)
+class PollState:
+    polls: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    healed: int = 0
+    ok: bool | None = None  # None until the first poll
+    engine_requests: int | None = None
+    last_ok: float | None = None  # monotonic
+    last_error: str | None = None
+
+
+class EngineMetricsPoller:
+    """Polls every instance's engine metrics; ``on_result(instance_id, ok)`` after each poll."""
+
+    def __init__(
+        self,
+        targets: Mapping[str, str],
+        load: LoadTracker,
+        *,
+        interval_s: float = 2.0,
+        grace_s: float = 30.0,
+        timeout_s: float | None = None,
+        on_result: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        self.targets = {iid: url.rstrip("/") + "/metrics" for iid, url in targets.items()}
+        self.load = load
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        # A poll must finish before the next one is due, or slow engines would pile up requests.
+        self.timeout_s = timeout_s if timeout_s is not None else max(0.2, min(5.0, interval_s * 0.8))
+        self.on_result = on_result
+        self.state: dict[str, PollState] = {iid: PollState() for iid in targets}
+        self._session: aiohttp.ClientSession | None = None
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def healthy(self, instance_id: str) -> bool | None:
+        st = self.state.get(instance_id)
+        return st.ok if st is not None else None
+
+    async def run(self) -> None:
+        self._task = asyncio.current_task()
+        try:
+            while not self._closing:
+                started = time.monotonic()
+                await self.poll_once()
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+        finally:
+            await self._close_session()
+
+    async def poll_once(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        await asyncio.gather(*(self._poll(iid, url) for iid, url in self.targets.items()))
+
+    async def _poll(self, instance_id: str, url: str) -> None:
+        st = self.state[instance_id]
+        st.polls += 1
+        try:
+            count = await self._fetch(url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, EngineMetricsError, UnicodeDecodeError) as exc:
+            self._failed(instance_id, st, f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # an odd peer must not stop polling
+            log.exception("engine metrics: unexpected error instance=%s", instance_id)
+            self._failed(instance_id, st, f"{type(exc).__name__}: {exc}")
+            return
+        if st.ok is False:
+            log.info("engine metrics: recovered instance=%s", instance_id)
+        st.ok = True
+        st.consecutive_failures = 0
+        st.engine_requests = count
+        st.last_ok = time.monotonic()
+        healed = self.load.reconcile(instance_id, count, grace_s=self.grace_s)
+        if healed:
+            st.healed += healed
+            log.info("engine metrics: healed lost done reports instance=%s released=%d engine_requests=%d",
+                     instance_id, healed, count)
+        self._notify(instance_id, True)
+
+    async def _fetch(self, url: str) -> int:
+        assert self._session is not None
+        async with self._session.get(url) as resp:
+            if resp.status != 200:
+                raise EngineMetricsError(f"HTTP {resp.status}")
+            body = await resp.content.read(MAX_BODY_BYTES + 1)
+            if len(body) > MAX_BODY_BYTES:
+                raise EngineMetricsError(f"body larger than {MAX_BODY_BYTES} bytes")
+        return parse_engine_requests(body.decode("utf-8"))
+
+    def _failed(self, instance_id: str, st: PollState, error: str) -> None:
+        st.failures += 1
+        st.consecutive_failures += 1
+        st.last_error = error[:300]
+        if st.ok is not False:
+            log.warning("engine metrics: poll failed instance=%s error=%s", instance_id, st.last_error)
+        st.ok = False
+        self._notify(instance_id, False)
+
+    def _notify(self, instance_id: str, ok: bool) -> None:
+        if self.on_result is not None:
+            try:
+                self.on_result(instance_id, ok)
+            except Exception:
+                log.exception("engine metrics: result callback failed instance=%s", instance_id)
+
+    async def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.close()
+
+    async def close(self) -> None:
+        self._closing = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._close_session()

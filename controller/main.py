@@ -1,0 +1,67 @@
+"""``smetric controller --config configs/smetric.yaml``: run the routing controller."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from smetric_lmc.config import ConfigError, load_config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = "configs/smetric.yaml"
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``controller`` subcommand to the ``smetric`` console script."""
+    p = subparsers.add_parser(
+        "controller",
+        help="run the routing controller (route service over ZMQ, KV event ingest, metrics)",
+        description=(
+            "Run the SMetric routing controller. It subscribes to every instance's vLLM KV events, "
+            "speaks the LMCache worker protocol, follows the global KV store, and answers `route` "
+            "over ZMQ. SIGHUP (or editing the file) reloads the policy section; SIGINT/SIGTERM stop it."
+        ),
+    )
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    p.add_argument(
+        "--route-url", default=None, help="override server.route_url (e.g. tcp://127.0.0.1:5600)"
+    )
+    p.set_defaults(func=run_controller)
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        log.error("controller: bad config: %s", exc)
+        return 2
+    if getattr(args, "route_url", None):
+        import msgspec
+
+        cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, route_url=args.route_url))
+    from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
+
+    app = ControllerApp(cfg, config_path=args.config)
+    try:
+        asyncio.run(app.serve())
+    except OSError as exc:  # e.g. a port already in use
+        log.error("controller: cannot start: %s", exc)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m smetric_lmc.controller.main`` without the ``smetric`` front end."""
+    parser = argparse.ArgumentParser(prog="smetric-controller")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(["controller", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

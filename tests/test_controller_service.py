@@ -1,0 +1,434 @@
+"""The route service over real ZMQ sockets on 127.0.0.1 (msgpack and JSON, bad input, CURVE)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from smetric_lmc.config import InstanceConfig, PolicyConfig
+from smetric_lmc.controller.service import HashSettings, RouteCore, RouteService, split_envelope
+from smetric_lmc.hashing import fast_chain, fast_root, lmcache_chunk_chain
+from smetric_lmc.index import TierIndex
+from smetric_lmc.load import LoadTracker
+from smetric_lmc.router import Router
+from smetric_lmc.wire import (
+    DoneAck,
+    DoneReport,
+    ErrorReply,
+    HashChain,
+    HealthReply,
+    HealthRequest,
+    InstancesReply,
+    InstancesRequest,
+    RouteDecision,
+    RouteRequest,
+    StatsReply,
+    StatsRequest,
+    decode_reply,
+    encode,
+)
+
+BS = 16
+ROOT = fast_root("test-model")
+PROMPT = list(range(1000, 1000 + 40 * BS + 7))  # 40 full blocks and a partial one
+
+
+class ServiceThread:
+    """A RouteService on its own event loop in a thread, so blocking test clients can call it."""
+
+    def __init__(self, core: RouteCore, url: str = "tcp://127.0.0.1:*", **kw: object) -> None:
+        self.core = core
+        self.url = url
+        self.kw = kw
+        self.endpoint = ""
+        self.service: RouteService | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        ctx = zmq.asyncio.Context()
+        try:
+            self.service = RouteService(self.core, self.url, ctx=ctx, **self.kw)  # type: ignore[arg-type]
+            self.endpoint = self.service.bind()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            loop.run_until_complete(self.service.run())
+        finally:
+            loop.run_until_complete(self.service.close())
+            ctx.destroy(linger=0)
+            loop.close()
+
+    def __enter__(self) -> ServiceThread:
+        self._thread.start()
+        self._ready.wait(5)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        assert self._loop is not None and self.service is not None
+        fut = asyncio.run_coroutine_threadsafe(self.service.close(), self._loop)
+        fut.result(5)
+        self._thread.join(5)
+
+
+def make_core(
+    n: int = 2, *, want_chunks: bool = False, disaggregated: bool = False, roles: list[str] | None = None
+) -> RouteCore:
+    index = TierIndex(BS, 256, fast_root=ROOT)
+    load = LoadTracker()
+    insts = [
+        InstanceConfig(id=f"i{k}", http=f"http://127.0.0.1:{8000 + k}", role=(roles[k] if roles else "both"))  # type: ignore[arg-type]
+        for k in range(n)
+    ]
+    for inst in insts:
+        index.register_instance(inst.id)
+        load.add_instance(inst.id)
+    router = Router(index, load, PolicyConfig(), disaggregated=disaggregated)
+    hs = HashSettings(block_size=BS, fast_root=ROOT, want_chunks=want_chunks)
+    return RouteCore(index, load, router, insts, hs, disaggregated=disaggregated)
+
+
+def seed(core: RouteCore, instance: str, tokens: list[int]) -> None:
+    core.index.gpu_stored_hashes(instance, fast_chain(tokens, BS, root=ROOT))
+
+
+@pytest.fixture
+def svc() -> Iterator[ServiceThread]:
+    core = make_core()
+    seed(core, "i1", PROMPT)
+    with ServiceThread(core) as st:
+        yield st
+
+
+@pytest.fixture
+def dealer(svc: ServiceThread) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    s.connect(svc.endpoint)
+    yield s
+    s.close(linger=0)
+
+
+def ask(sock: zmq.Socket, payload: bytes, *, delimiter: bool = True) -> bytes:
+    sock.send_multipart([b"", payload] if delimiter else [payload])
+    frames = sock.recv_multipart()
+    if delimiter:
+        assert frames[0] == b"" and len(frames) == 2
+    else:
+        assert len(frames) == 1
+    return frames[-1]
+
+
+def route_req(rid: str = "r1", **kw: object) -> RouteRequest:
+    kw.setdefault("token_ids", PROMPT)
+    return RouteRequest(request_id=rid, turn=2, est_hit_tokens=len(PROMPT) - 50, **kw)  # type: ignore[arg-type]
+
+
+# ---- route, both encodings ----------------------------------------------------------------------
+
+
+def test_route_msgpack_sticks_to_the_prefix_holder(dealer: zmq.Socket) -> None:
+    reply = decode_reply(ask(dealer, encode(route_req())))
+    assert isinstance(reply, RouteDecision)
+    assert reply.instance_id == "i1" and reply.endpoint == "http://127.0.0.1:8001"
+    assert reply.reason.value == "sticky" and reply.policy == "smetric"
+    assert reply.local_hit_tokens == 40 * BS  # full blocks only
+    assert reply.prompt_tokens == len(PROMPT)
+    assert reply.est_hit_tokens == (len(PROMPT) - 50) // BS * BS
+
+
+def test_route_json_is_answered_in_json(dealer: zmq.Socket) -> None:
+    raw = ask(dealer, encode(route_req(), json=True))
+    assert raw[:1] == b"{"
+    reply = decode_reply(raw)
+    assert isinstance(reply, RouteDecision) and reply.instance_id == "i1"
+    # A hand-written JSON request (what a gateway in another language sends).
+    hand = b'{"type":"route","request_id":"j2","token_ids":[1,2,3],"turn":0}'
+    reply2 = msgspec.json.decode(ask(dealer, hand))
+    assert reply2["type"] == "decision" and reply2["request_id"] == "j2" and reply2["reason"] == "first_turn"
+
+
+def test_route_with_hashes_only_equals_token_ids(dealer: zmq.Socket) -> None:
+    chain = HashChain("fast", BS, fast_chain(PROMPT, BS, root=ROOT))
+    req = RouteRequest(request_id="h1", hashes=[chain], turn=2, est_hit_tokens=600)
+    reply = decode_reply(ask(dealer, encode(req)))
+    assert isinstance(reply, RouteDecision)
+    assert (reply.instance_id, reply.local_hit_tokens, reply.prompt_tokens) == ("i1", 640, 640)
+
+
+def test_framing_without_delimiter_and_via_req(svc: ServiceThread, dealer: zmq.Socket) -> None:
+    reply = decode_reply(ask(dealer, encode(HealthRequest()), delimiter=False))
+    assert isinstance(reply, HealthReply)
+    req = zmq.Context.instance().socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.setsockopt(zmq.RCVTIMEO, 3000)
+    req.connect(svc.endpoint)
+    try:
+        req.send(encode(StatsRequest(), json=True))
+        assert isinstance(decode_reply(req.recv()), StatsReply)
+    finally:
+        req.close(linger=0)
+    # A DEALER tagging requests with a correlation frame gets the tag back.
+    dealer.send_multipart([b"tag-7", b"", encode(HealthRequest())])
+    frames = dealer.recv_multipart()
+    assert frames[:2] == [b"tag-7", b""] and isinstance(decode_reply(frames[2]), HealthReply)
+
+
+# ---- bad input: error replies, and the service keeps serving ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b"\xc1garbage\xff\x00", "bad_request"),
+        (b"{not json", "bad_request"),
+        (b"", "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": 5}), "bad_request"),  # wrong type
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "token_ids": "abc"}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "tokens": [1]}), "bad_request"),  # unknown field
+        (msgspec.msgpack.encode({"type": "teleport"}), "bad_request"),
+        (msgspec.msgpack.encode([1, 2, 3]), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "token_ids": [1], "version": 99}), "unsupported_version"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x"}), "bad_request"),  # no prompt at all
+        (msgspec.msgpack.encode({"type": "route", "request_id": "", "token_ids": [1]}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x" * 600, "token_ids": [1]}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "token_ids": [-1] * 32}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "token_ids": [2**40] * 16}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "token_ids": [1], "turn": -1}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "hashes": [{"scheme": "fast", "block_size": 32, "hashes": [1]}]}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "route", "request_id": "x", "hashes": [{"scheme": "vllm_sha256_cbor", "block_size": 16, "hashes": [1]}]}), "bad_request"),
+        (msgspec.msgpack.encode({"type": "done", "request_id": ["x"]}), "bad_request"),
+    ],
+)
+def test_bad_frames_get_error_replies(dealer: zmq.Socket, payload: bytes, code: str) -> None:
+    reply = decode_reply(ask(dealer, payload))
+    assert isinstance(reply, ErrorReply), reply
+    assert reply.code == code, reply.message
+    # ...and the next good request is served normally.
+    assert isinstance(decode_reply(ask(dealer, encode(route_req("after")))), RouteDecision)
+
+
+def test_error_reply_names_the_request_and_speaks_json(dealer: zmq.Socket) -> None:
+    raw = ask(dealer, b'{"type":"route","request_id":"bad-1","token_ids":[1],"turn":"two"}')
+    reply = decode_reply(raw)
+    assert raw[:1] == b"{" and isinstance(reply, ErrorReply)
+    assert reply.code == "bad_request" and reply.request_id == "bad-1" and "turn" in reply.message
+
+
+def test_oversize_frame_is_rejected_before_decoding() -> None:
+    core = make_core()
+    with ServiceThread(core, max_frame_bytes=4096) as st:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 3000)
+        s.connect(st.endpoint)
+        try:
+            big = encode(RouteRequest(request_id="big", token_ids=list(range(5000))))
+            assert len(big) > 4096
+            reply = decode_reply(ask(s, big))
+            assert isinstance(reply, ErrorReply) and reply.code == "too_large"
+            assert st.service is not None and st.service.counters["too_large"] == 1
+            assert core.counters["route"] == 0  # never decoded
+            assert isinstance(decode_reply(ask(s, encode(route_req("ok", token_ids=PROMPT[:64])))), RouteDecision)
+        finally:
+            s.close(linger=0)
+
+
+def test_misframed_messages_are_answered_or_dropped(svc: ServiceThread, dealer: zmq.Socket) -> None:
+    dealer.send_multipart([b"", b"one", b"two"])  # two payload frames
+    frames = dealer.recv_multipart()
+    assert frames[0] == b"" and decode_reply(frames[1]).code == "bad_request"  # type: ignore[union-attr]
+    dealer.send_multipart([b"a", b"b", b"c"])  # no delimiter, three frames
+    reply = decode_reply(dealer.recv_multipart()[-1])
+    assert isinstance(reply, ErrorReply)
+    assert isinstance(decode_reply(ask(dealer, encode(HealthRequest()))), HealthReply)
+    assert svc.service is not None and svc.service.counters["bad_frames"] == 2
+
+
+def test_random_garbage_never_kills_the_service(dealer: zmq.Socket, svc: ServiceThread) -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randrange(0, 200)
+        payload = bytes(rng.randrange(256) for _ in range(n))
+        reply = decode_reply(ask(dealer, payload))
+        assert isinstance(reply, ErrorReply | RouteDecision | HealthReply | StatsReply | InstancesReply | DoneAck)
+    assert isinstance(decode_reply(ask(dealer, encode(route_req("alive")))), RouteDecision)
+    assert svc.core.counters["internal_errors"] == 0
+
+
+def test_a_burst_of_pipelined_requests_is_answered_in_full(svc: ServiceThread, dealer: zmq.Socket) -> None:
+    n = 500  # well past one drain batch of the service loop
+    for k in range(n):
+        dealer.send_multipart([f"{k}".encode(), b"", encode(route_req(f"burst{k}", token_ids=PROMPT[:64]))])
+    seen = set()
+    for _ in range(n):
+        corr, _empty, raw = dealer.recv_multipart()
+        reply = decode_reply(raw)
+        assert isinstance(reply, RouteDecision) and reply.request_id == f"burst{corr.decode()}"
+        seen.add(corr)
+    assert len(seen) == n
+    assert svc.service is not None and svc.service.counters["replies"] == n
+
+
+def test_split_envelope() -> None:
+    assert split_envelope([b"id", b"p"]) == ([b"id"], b"p")
+    assert split_envelope([b"id", b"", b"p"]) == ([b"id", b""], b"p")
+    assert split_envelope([b"id", b"c", b"", b"p"]) == ([b"id", b"c", b""], b"p")
+    assert split_envelope([b"id", b"", b"p", b"q"]) == ([b"id", b""], None)
+    assert split_envelope([b"id"]) == ([], None)
+
+
+# ---- done / stats / health / instances ------------------------------------------------------------
+
+
+def test_done_releases_load(dealer: zmq.Socket, svc: ServiceThread) -> None:
+    load = svc.core.load
+    d = decode_reply(ask(dealer, encode(route_req("d1"))))
+    assert isinstance(d, RouteDecision) and d.instance_id is not None
+    assert load.in_flight(d.instance_id) == 1
+    ack = decode_reply(ask(dealer, encode(DoneReport(request_id="d1", instance_id=d.instance_id, output_tokens=5))))
+    assert isinstance(ack, DoneAck) and ack.released is True
+    assert load.in_flight(d.instance_id) == 0
+    again = decode_reply(ask(dealer, encode(DoneReport(request_id="d1"), json=True)))
+    assert isinstance(again, DoneAck) and again.released is False
+
+
+def test_stats_health_instances(dealer: zmq.Socket) -> None:
+    ask(dealer, encode(route_req("s1")))
+    stats = decode_reply(ask(dealer, encode(StatsRequest())))
+    assert isinstance(stats, StatsReply)
+    assert stats.stats["service"]["route"] == 1 and stats.stats["index_ready"] is True
+    assert stats.stats["hashing"]["block_size"] == BS and stats.stats["hashing"]["fast_root"] == ROOT
+    assert stats.stats["policy"]["name"] == "smetric"
+    health = decode_reply(ask(dealer, encode(HealthRequest(), json=True)))
+    assert isinstance(health, HealthReply)
+    assert (health.ok, health.routable_instances, health.index_ready, health.global_store) == (True, 2, True, "none")
+    inst = decode_reply(ask(dealer, encode(InstancesRequest())))
+    assert isinstance(inst, InstancesReply)
+    by_id = {i.id: i for i in inst.instances}
+    assert by_id["i1"].indexed_blocks == 40 and by_id["i0"].indexed_blocks == 0
+    assert by_id["i1"].in_flight == 1 and by_id["i1"].routable and by_id["i1"].endpoint == "http://127.0.0.1:8001"
+
+
+def test_empty_index_degrades_to_load_balance() -> None:
+    core = make_core()
+    with ServiceThread(core) as st:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 3000)
+        s.connect(st.endpoint)
+        try:
+            d = decode_reply(ask(s, encode(route_req("x1"))))
+            assert isinstance(d, RouteDecision) and d.policy == "load_balance"
+            h = decode_reply(ask(s, encode(HealthRequest())))
+            assert isinstance(h, HealthReply) and h.index_ready is False and h.ok
+            seed(core, "i0", PROMPT)
+            d2 = decode_reply(ask(s, encode(route_req("x2"))))
+            assert isinstance(d2, RouteDecision) and d2.policy == "smetric" and d2.instance_id == "i0"
+        finally:
+            s.close(linger=0)
+
+
+def test_no_instances_is_a_decision_without_endpoint() -> None:
+    core = make_core(0)
+    with ServiceThread(core) as st:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 3000)
+        s.connect(st.endpoint)
+        try:
+            d = decode_reply(ask(s, encode(route_req("n1"))))
+            assert isinstance(d, RouteDecision)
+            assert d.instance_id is None and d.endpoint is None and d.reason.value == "no_instances"
+            h = decode_reply(ask(s, encode(HealthRequest())))
+            assert isinstance(h, HealthReply) and not h.ok
+        finally:
+            s.close(linger=0)
+
+
+def test_lmcache_chunks_count_as_local_hits() -> None:
+    core = make_core(want_chunks=True)
+    tokens = list(range(600))
+    core.index.lmcache_admit("i0", lmcache_chunk_chain(tokens, 256, root=0))
+    with ServiceThread(core) as st:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 3000)
+        s.connect(st.endpoint)
+        try:
+            d = decode_reply(ask(s, encode(RouteRequest(request_id="c1", token_ids=tokens, turn=1, est_hit_tokens=512))))
+            assert isinstance(d, RouteDecision) and (d.instance_id, d.local_hit_tokens) == ("i0", 512)
+            # The same chain sent pre-hashed (lmcache scheme) gives the same answer.
+            chain = HashChain("lmcache_builtin", 256, lmcache_chunk_chain(tokens, 256, root=0))
+            d2 = decode_reply(ask(s, encode(RouteRequest(request_id="c2", hashes=[chain], turn=1, est_hit_tokens=512))))
+            assert isinstance(d2, RouteDecision) and (d2.instance_id, d2.local_hit_tokens) == ("i0", 512)
+        finally:
+            s.close(linger=0)
+
+
+def test_disaggregated_routes_only_to_prefill_capable_instances() -> None:
+    core = make_core(3, disaggregated=True, roles=["decode", "prefill", "both"])
+    seed(core, "i0", PROMPT)  # the decode instance holds the prefix, but takes no new requests
+    with ServiceThread(core) as st:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 3000)
+        s.connect(st.endpoint)
+        try:
+            chosen = set()
+            for k in range(6):
+                d = decode_reply(ask(s, encode(route_req(f"p{k}"))))
+                assert isinstance(d, RouteDecision)
+                chosen.add(d.instance_id)
+            assert chosen == {"i1", "i2"}
+            h = decode_reply(ask(s, encode(HealthRequest())))
+            assert isinstance(h, HealthReply) and h.routable_instances == 2
+        finally:
+            s.close(linger=0)
+
+
+# ---- CURVE ---------------------------------------------------------------------------------------
+
+
+def test_curve_on_and_off() -> None:
+    from smetric_lmc.client import RouteClient, RouteTimeout
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    core = make_core()
+    seed(core, "i1", PROMPT)
+    with ServiceThread(core, curve_secret_key=secret, curve_public_key=public) as st:
+        with RouteClient(st.endpoint, curve_server_key=public, timeout_s=3.0) as c:
+            d = c.route("cv1", token_ids=PROMPT, turn=1, est_hit_tokens=600)
+            assert d.instance_id == "i1"
+        with RouteClient(st.endpoint, timeout_s=0.3) as plain, pytest.raises(RouteTimeout):
+            plain.route("cv2", token_ids=PROMPT)
+        wrong_public, _ = (k.decode() for k in zmq.curve_keypair())
+        with RouteClient(st.endpoint, curve_server_key=wrong_public, timeout_s=0.3) as wrong, pytest.raises(RouteTimeout):
+            wrong.health()
+    assert core.counters["route"] == 1  # neither unauthenticated request reached the handler
+    with ServiceThread(make_core()) as st2, RouteClient(st2.endpoint, timeout_s=3.0) as c2:
+        assert c2.health().routable_instances == 2
+
+
+def test_curve_needs_both_keys() -> None:
+    _, secret = (k.decode() for k in zmq.curve_keypair())
+    with pytest.raises(ValueError, match="CURVE"):
+        RouteService(make_core(), "tcp://127.0.0.1:*", curve_secret_key=secret).bind()
+
