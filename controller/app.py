@@ -338,6 +338,7 @@ class ControllerApp:
             self.load,
             interval_s=self.cfg.load.metrics_poll_s,
             grace_s=self.cfg.load.lost_done_grace_s,
+            timeout_s=self.cfg.load.metrics_timeout_s,
             on_result=self._poll_result,
         )
         self._spawn("engine-metrics", self.poller.run)

@@ -101,6 +101,7 @@ class ServerConfig(_Cfg):
 
 class LoadConfig(_Cfg):
     metrics_poll_s: float = 2.0  # engine /metrics reconciliation period (0 disables)
+    metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
 

@@ -320,7 +320,7 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _tail(path: Path, n_bytes: int = 4000) -> str:
+def tail_file(path: Path, n_bytes: int = 4000) -> str:
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -338,7 +338,7 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-class _ProcessGroup:
+class ProcessGroup:
     """A child started in its own session (process group) that is stopped as a whole."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, name: str) -> None:
@@ -394,7 +394,7 @@ class _ProcessGroup:
         return rc
 
 
-class EngineProcess(_ProcessGroup):
+class EngineProcess(ProcessGroup):
     """One vLLM API server (and its engine-core children) in its own process group."""
 
     def __init__(self, launch: WorkerLaunch, http_url: str, log_path: Path, name: str = "vllm") -> None:
@@ -427,11 +427,11 @@ class EngineProcess(_ProcessGroup):
             rc = self.poll()
             if rc is not None:
                 raise EngineStartError(
-                    f"{self.name} exited with {rc} before becoming healthy; log tail:\n{_tail(self.log_path)}"
+                    f"{self.name} exited with {rc} before becoming healthy; log tail:\n{tail_file(self.log_path)}"
                 )
             if time.monotonic() - t0 > timeout_s:
                 raise EngineStartError(
-                    f"{self.name} not healthy after {timeout_s:.0f} s; log tail:\n{_tail(self.log_path)}"
+                    f"{self.name} not healthy after {timeout_s:.0f} s; log tail:\n{tail_file(self.log_path)}"
                 )
             time.sleep(poll_s)
 
@@ -502,8 +502,16 @@ def cpu_test_specs(
     first_index: int = 0,
     **overrides: Any,
 ) -> list[InstanceSpec]:
-    """Specs for n CPU engines on free loopback ports (http, kv events, replay each)."""
+    """Specs for n CPU engines on free loopback ports (http, kv events, replay each).
+
+    Engine i's OpenMP threads are pinned to core i (mod the cores available): vLLM's CPU
+    auto-binding puts every engine on the first core, so one busy engine would stall the others.
+    An ``extra_env`` override replaces that choice.
+    """
     ports = free_ports(3 * n)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    overrides.setdefault("extra_env", None)
+    pinned = overrides.pop("extra_env")
     return [
         InstanceSpec(
             instance_id=f"{id_prefix}-{first_index + i}",
@@ -514,6 +522,8 @@ def cpu_test_specs(
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
             python=str(python or engine_python()),
+            extra_env=pinned if pinned is not None
+            else {"VLLM_CPU_OMP_THREADS_BIND": str(cores[(first_index + i) % len(cores)])},
             **overrides,
         )
         for i in range(n)
@@ -553,7 +563,7 @@ class GlobalStore:
     kind: StoreKind
     host: str
     port: int
-    process: _ProcessGroup
+    process: ProcessGroup
     extra_ports: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -583,11 +593,11 @@ def _find_binary(name: str, env_var: str) -> str:
     return path
 
 
-def _wait_port(host: str, port: int, proc: _ProcessGroup, timeout_s: float) -> None:
+def _wait_port(host: str, port: int, proc: ProcessGroup, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited early; log tail:\n{_tail(proc.log_path)}")
+            raise RuntimeError(f"{proc.name} exited early; log tail:\n{tail_file(proc.log_path)}")
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
             return
         time.sleep(0.1)
@@ -666,7 +676,7 @@ def start_global_store(
         argv = mooncake_argv(binary, port, extra["metadata"], extra["metrics"], kv_events_endpoint)
     else:
         raise ValueError(f"unknown global store kind {kind!r}")
-    proc = _ProcessGroup(argv, dict(os.environ), log_dir / f"{kind}-{port}.log", f"{kind}-store")
+    proc = ProcessGroup(argv, dict(os.environ), log_dir / f"{kind}-{port}.log", f"{kind}-store")
     proc.start()
     _wait_port(host, port, proc, timeout_s)
     return GlobalStore(kind=kind, host=host, port=port, process=proc, extra_ports=extra)

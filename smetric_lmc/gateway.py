@@ -1,0 +1,508 @@
+"""``smetric gateway``: an OpenAI-compatible HTTP proxy that routes with the SMetric controller.
+
+Per request (``/v1/chat/completions``, ``/v1/completions``):
+
+1. read the prompt's token ids, turn and est_hit (``gateway_prompt.PromptReader``); the header
+   ``X-SMetric-Turn`` overrides the turn counted from ``messages``;
+2. ask the controller's ``route`` (only the prompt's block hashes cross the wire);
+3. forward the client's body, unchanged, to the chosen instance and stream the answer back as
+   it arrives (SSE included, byte for byte);
+4. report ``done`` (usage, cached tokens, TTFT, end-to-end time) so the controller releases load.
+
+The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason``,
+``-Local-Hit``, ``-Turn``, ...). An instance that fails before any byte reached the client
+(connect error, 5xx) is reported ``done ok=false`` and the request is retried once on another
+instance; if that fails too the client gets a 502 JSON error naming both attempts. When the
+controller does not answer, the gateway routes round-robin over the configured instances, says
+so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
+from smetric_lmc.config import Config, ConfigError, InstanceConfig, load_config
+from smetric_lmc.gateway_prompt import (
+    BadRequest,
+    Kind,
+    PromptInfo,
+    PromptReader,
+    UsageSniffer,
+    parse_turn_header,
+)
+from smetric_lmc.hashing import fast_root
+from smetric_lmc.wire import HashChain, RouteDecision
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = "configs/smetric.yaml"
+SLOW_ROUTING_S = 2.0  # tokenize + route normally take milliseconds; say so when they do not
+# Request headers worth passing to the engine; hop-by-hop and length headers are the proxy's own.
+_FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade",
+               "proxy-authenticate", "proxy-authorization"}
+
+
+@dataclass(slots=True)
+class Target:
+    """Where one attempt goes, and why."""
+
+    instance_id: str
+    endpoint: str
+    reason: str
+    route_id: str | None  # the id the controller counts this attempt under; None: not routed by it
+    policy: str = ""
+    local_hit_tokens: int = 0
+    est_hit_tokens: int = 0
+    turn: int | None = None
+    prompt_tokens: int = 0
+    fallback: str | None = None  # why the controller's decision was not used
+
+
+@dataclass(slots=True)
+class Attempt:
+    target: Target
+    ok: bool = False
+    started: float = field(default_factory=time.monotonic)
+    first_byte: float | None = None
+    error: str | None = None
+    status: int | None = None
+    sniffer: UsageSniffer | None = None
+
+
+class UpstreamFailed(Exception):
+    """The instance failed before any byte reached the client: the request can be retried."""
+
+
+class Gateway:
+    """The aiohttp application and the routing around each proxied request."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        controller_url: str | None = None,
+        *,
+        tokenizer_dir: str | None = None,
+        route_timeout_s: float = 1.0,
+        controller_retry_s: float = 2.0,
+        upstream_timeout_s: float = 600.0,
+        connect_timeout_s: float = 3.0,
+    ) -> None:
+        if not cfg.instances:
+            raise ValueError("the gateway needs at least one instance in the config")
+        self.cfg = cfg
+        self.controller_url = controller_url or cfg.server.route_url
+        self.instances: list[InstanceConfig] = list(cfg.instances)
+        self._by_id = {i.id: i for i in self.instances}
+        self._rr = itertools.count()
+        self.route_timeout_s = route_timeout_s
+        self.controller_retry_s = controller_retry_s
+        self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=connect_timeout_s)
+        h = cfg.hashing
+        self.block_size = h.block_size
+        self.fast_root = fast_root(h.fast_namespace)
+        # The controller indexes LMCache chunks only with LMCache or a global store configured.
+        self.chunk_size = h.lmcache_chunk_size if (cfg.lmcache.enabled or cfg.global_store.kind != "none") else None
+        self._hf = _load_hf(tokenizer_dir) if tokenizer_dir else None
+        self._http: aiohttp.ClientSession | None = None
+        self._client: AsyncRouteClient | None = None
+        self._reader: PromptReader | None = None
+        self._controller_down_until = 0.0
+        self._controller_down = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counters: dict[str, int] = {
+            "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
+            "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
+        }
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/healthz", self._healthz)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _app: web.Application) -> None:
+        # auto_decompress=False: the client gets the engine's bytes exactly as sent.
+        self._http = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
+        self._client = AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
+        self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf)
+        self._spawn(self._check_hashing())
+        log.info("gateway: controller=%s instances=%s block_size=%d tokenizer=%s", self.controller_url,
+                 ",".join(self._by_id), self.block_size, "hf" if self._hf else "engine /tokenize")
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)
+        if self._client is not None:
+            await self._client.close()
+        if self._http is not None:
+            await self._http.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _check_hashing(self) -> None:
+        """Client-side hashes must match the controller's index; adopt its settings if they differ."""
+        assert self._client is not None
+        try:
+            hashing = (await self._client.stats()).get("hashing", {})
+        except RouteError as exc:
+            log.warning("gateway: controller not reachable at start (%s); using the config's hashing", exc)
+            return
+        bs, root = hashing.get("block_size"), hashing.get("fast_root")
+        if isinstance(bs, int) and isinstance(root, int) and (bs, root) != (self.block_size, self.fast_root):
+            log.error("gateway: config hashing (block_size=%d) differs from the controller's (%d); using the "
+                      "controller's", self.block_size, bs)
+            self.block_size, self.fast_root = bs, root
+        if not hashing.get("chunks_indexed", self.chunk_size is not None):
+            self.chunk_size = None
+
+    # ---- handlers -------------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "chat", "/v1/chat/completions")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "completion", "/v1/completions")
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        assert self._http is not None
+        errors = []
+        for inst in self._order_from(None):
+            try:
+                async with self._http.get(f"{inst.http.rstrip('/')}/v1/models",
+                                          headers=_forward_headers(request)) as up:
+                    body = await up.read()
+                    if up.status < 500:
+                        return web.Response(body=body, status=up.status, headers=_response_headers(up))
+                    errors.append(f"{inst.id}: HTTP {up.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                errors.append(f"{inst.id}: {_describe(exc)}")
+        return _error(502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error")
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        body = {"ok": True, "controller": self.controller_url, "controller_down": self._controller_down,
+                "instances": list(self._by_id), **self.counters}
+        return web.json_response(body)
+
+    async def _proxy(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
+        assert self._reader is not None
+        self.counters["requests"] += 1
+        rid = f"gw-{uuid.uuid4().hex}"
+        t0 = time.monotonic()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
+        except (ValueError, BadRequest) as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        t_read = time.monotonic()
+        target = await self._decide(rid, info)
+        t_route = time.monotonic()
+        if t_route - t0 > SLOW_ROUTING_S:
+            log.warning("gateway: slow routing request=%s tokenize_s=%.2f route_s=%.2f", rid, t_read - t0,
+                        t_route - t_read)
+        try:
+            return await self._attempt(request, path, raw, target, rid, info, retried_from=None)
+        except UpstreamFailed as first:
+            self.counters["retries"] += 1
+            failed = target.instance_id
+            second_target = await self._retry_target(rid, info, failed)
+            if second_target is None:
+                self.counters["bad_gateway"] += 1
+                return _error(502, f"instance {failed} failed ({first}) and no other instance is available",
+                              "upstream_error")
+            log.warning("gateway: retrying request=%s on instance=%s after instance=%s failed: %s",
+                        rid, second_target.instance_id, failed, first)
+            try:
+                return await self._attempt(request, path, raw, second_target, rid, info, retried_from=failed)
+            except UpstreamFailed as second:
+                self.counters["bad_gateway"] += 1
+                log.error("gateway: request=%s failed on both instance=%s and instance=%s", rid, failed,
+                          second_target.instance_id)
+                return _error(502, f"instance {failed} failed ({first}); retry on instance "
+                              f"{second_target.instance_id} failed ({second})", "upstream_error")
+
+    # ---- routing --------------------------------------------------------------------------------
+    def _controller_usable(self) -> bool:
+        return asyncio.get_running_loop().time() >= self._controller_down_until
+
+    def _mark_controller(self, up: bool, why: str = "") -> None:
+        if up:
+            if self._controller_down:
+                log.info("gateway: controller back at %s: routing with it again", self.controller_url)
+            self._controller_down = False
+            return
+        if not self._controller_down:
+            log.warning("gateway: controller at %s unavailable (%s): round-robin over %d configured "
+                        "instances until it answers", self.controller_url, why, len(self.instances))
+        self._controller_down = True
+        self._controller_down_until = asyncio.get_running_loop().time() + self.controller_retry_s
+
+    async def _ask_controller(self, route_id: str, info: PromptInfo) -> RouteDecision | str:
+        """The controller's decision, or why there is none."""
+        assert self._client is not None
+        if not self._controller_usable():
+            return "controller_unavailable"
+        kw: dict[str, Any] = {"turn": info.turn, "est_hit_tokens": info.est_hit_tokens}
+        if info.token_ids is not None:
+            kw.update(token_ids=info.token_ids, hash_client_side=True, block_size=self.block_size,
+                      fast_root=self.fast_root)
+            if self.chunk_size:
+                h = self.cfg.hashing
+                kw.update(lmcache_chunk_size=self.chunk_size, lmcache_root=h.lmcache_root, lmcache_hash=h.lmcache_hash)
+        else:  # no tokenizer answered: route on load alone
+            kw.update(hashes=[HashChain("fast", self.block_size, [])], prompt_tokens=info.approx_tokens)
+        try:
+            d = await self._client.route(route_id, model=self.cfg.model, **kw)
+        except RouteTimeout as exc:
+            self._mark_controller(False, str(exc))
+            return "controller_unavailable"
+        except RouteError as exc:
+            if exc.code == "transport":
+                self._mark_controller(False, str(exc))
+                return "controller_unavailable"
+            log.error("gateway: controller refused route request=%s: %s", route_id, exc)
+            return f"controller_error:{exc.code}"
+        self._mark_controller(True)
+        if d.instance_id is None or not d.endpoint:
+            log.warning("gateway: controller has no routable instance (reason=%s)", d.reason.value)
+            return "controller_no_instance"
+        return d
+
+    async def _decide(self, rid: str, info: PromptInfo, exclude: str | None = None) -> Target:
+        d = await self._ask_controller(rid, info)
+        if isinstance(d, RouteDecision):
+            if d.instance_id != exclude:
+                self.counters["routed"] += 1
+                return Target(d.instance_id or "", d.endpoint or "", d.reason.value, rid, d.policy,
+                              d.local_hit_tokens, d.est_hit_tokens, d.turn, d.prompt_tokens)
+            # The controller still prefers the instance that just failed: release and go elsewhere.
+            self._report_failed_route(rid, d.instance_id)
+            d = "controller_chose_failed_instance"
+        self.counters["fallback_routes"] += 1
+        inst = next(iter(self._order_from(exclude)), None) if exclude else self._round_robin()
+        assert inst is not None
+        n = len(info.token_ids) if info.token_ids is not None else info.approx_tokens
+        return Target(inst.id, inst.http, "gateway_round_robin", None, "round_robin", 0,
+                      info.est_hit_tokens or 0, info.turn, n, fallback=d)
+
+    async def _retry_target(self, rid: str, info: PromptInfo, failed: str) -> Target | None:
+        if len(self.instances) < 2:
+            return None
+        return await self._decide(f"{rid}-retry", info, exclude=failed)
+
+    def _round_robin(self) -> InstanceConfig:
+        return self.instances[next(self._rr) % len(self.instances)]
+
+    def _order_from(self, exclude: str | None) -> list[InstanceConfig]:
+        """Instances starting at the round-robin cursor, without ``exclude``."""
+        start = next(self._rr) % len(self.instances)
+        ordered = self.instances[start:] + self.instances[:start]
+        return [i for i in ordered if i.id != exclude]
+
+    def _report_failed_route(self, route_id: str, instance_id: str | None) -> None:
+        self._spawn(self._send_done(route_id, instance_id=instance_id, ok=False))
+
+    # ---- one attempt ----------------------------------------------------------------------------
+    async def _attempt(
+        self, request: web.Request, path: str, raw: bytes, target: Target, rid: str, info: PromptInfo,
+        retried_from: str | None,
+    ) -> web.StreamResponse:
+        assert self._http is not None
+        att = Attempt(target)
+        url = target.endpoint.rstrip("/") + path
+        resp: web.StreamResponse | None = None
+        try:
+            async with self._http.post(url, data=raw, headers=_forward_headers(request)) as up:
+                att.status = up.status
+                if up.status >= 500:
+                    detail = (await up.content.read(2000)).decode("utf-8", "replace")
+                    att.error = f"HTTP {up.status}: {detail.strip()[:300]}"
+                    raise UpstreamFailed(att.error)
+                headers = _response_headers(up)
+                headers.update(_decision_headers(target, rid, retried_from))
+                resp = web.StreamResponse(status=up.status, headers=headers)
+                att.sniffer = UsageSniffer(up.headers.get("Content-Type", ""))
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    if att.first_byte is None:
+                        att.first_byte = time.monotonic()
+                    await resp.write(chunk)
+                    att.sniffer.feed(chunk)
+                att.sniffer.finish()
+                await resp.write_eof()
+                att.ok = up.status < 400
+                return resp
+        except UpstreamFailed:
+            self._upstream_failed(att)
+            raise
+        except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
+            if resp is not None and resp.prepared and _client_gone(request):
+                self.counters["client_disconnects"] += 1
+                att.error = "client disconnected"
+                log.info("gateway: client went away request=%s instance=%s", rid, target.instance_id)
+                return resp
+            att.error = _describe(exc)
+            return self._broken(request, resp, att)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            att.error = _describe(exc)
+            return self._broken(request, resp, att)
+        finally:
+            self._finish(att, info)
+
+    def _upstream_failed(self, att: Attempt) -> None:
+        self.counters["upstream_failures"] += 1
+        log.warning("gateway: instance=%s failed before responding: %s", att.target.instance_id, att.error)
+
+    def _broken(self, request: web.Request, resp: web.StreamResponse | None, att: Attempt) -> web.StreamResponse:
+        if resp is None or not resp.prepared:
+            self._upstream_failed(att)
+            raise UpstreamFailed(att.error or "upstream error")
+        # Bytes already reached the client: the request cannot be replayed. Abort the connection so
+        # the client sees a truncated response instead of a silently short one.
+        self.counters["upstream_failures"] += 1
+        log.error("gateway: instance=%s failed mid-response: %s; aborting the client connection",
+                  att.target.instance_id, att.error)
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+
+    def _finish(self, att: Attempt, info: PromptInfo) -> None:
+        t = att.target
+        now = time.monotonic()
+        log.debug("gateway: request=%s instance=%s reason=%s status=%s ok=%s e2e_s=%.3f", t.route_id,
+                  t.instance_id, t.reason, att.status, att.ok, now - att.started)
+        if t.route_id is None:  # not counted by the controller: nothing to release
+            return
+        s = att.sniffer
+        prompt = (s.prompt_tokens() if s else None) or t.prompt_tokens or (
+            len(info.token_ids) if info.token_ids is not None else info.approx_tokens)
+        self._spawn(self._send_done(
+            t.route_id, instance_id=t.instance_id, prompt_tokens=prompt,
+            output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
+            ttft_s=(att.first_byte - att.started) if att.first_byte else None, e2e_s=now - att.started, ok=att.ok,
+        ))
+
+    async def _send_done(self, route_id: str, **kw: Any) -> None:
+        assert self._client is not None
+        try:
+            await self._client.done(route_id, **kw)
+            self.counters["done_reports"] += 1
+        except RouteError as exc:
+            # Lost done reports are healed by the controller from engine metrics; log and move on.
+            self.counters["done_failures"] += 1
+            log.warning("gateway: done report for %s not delivered: %s", route_id, exc)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def _load_hf(tokenizer_dir: str) -> Any:
+    try:
+        from smetric_lmc.session import HFChatTokenizer
+
+        return HFChatTokenizer(tokenizer_dir)
+    except ImportError as exc:
+        log.warning("gateway: --tokenizer given but transformers is not importable (%s); "
+                    "tokenizing with the engines' /tokenize", exc)
+        return None
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST}
+
+
+def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "date"
+            and k.lower() != "server"}
+
+
+def _decision_headers(t: Target, rid: str, retried_from: str | None) -> dict[str, str]:
+    h = {
+        "X-SMetric-Request-Id": rid,
+        "X-SMetric-Instance": t.instance_id,
+        "X-SMetric-Reason": t.reason,
+        "X-SMetric-Policy": t.policy,
+        "X-SMetric-Local-Hit": str(t.local_hit_tokens),
+        "X-SMetric-Est-Hit": str(t.est_hit_tokens),
+        "X-SMetric-Turn": "" if t.turn is None else str(t.turn),
+        "X-SMetric-Prompt-Tokens": str(t.prompt_tokens),
+    }
+    if t.fallback:
+        h["X-SMetric-Fallback"] = t.fallback
+    if retried_from:
+        h["X-SMetric-Retried-From"] = retried_from
+    return h
+
+
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``gateway`` subcommand to the ``smetric`` console script."""
+    p = subparsers.add_parser(
+        "gateway",
+        help="OpenAI-compatible HTTP proxy that routes each request with the controller",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help=f"the controller's YAML: instances, block size, route URL (default: {DEFAULT_CONFIG})")
+    p.add_argument("--controller", default=None, help="route service URL (default: server.route_url of --config)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--tokenizer", default=None,
+                   help="served model's tokenizer dir (needs transformers); default: the engines' /tokenize")
+    p.add_argument("--route-timeout-s", type=float, default=1.0, help="wait this long for a route decision")
+    p.add_argument("--controller-retry-s", type=float, default=2.0,
+                   help="after the controller failed to answer, route round-robin this long before asking again")
+    p.add_argument("--upstream-timeout-s", type=float, default=600.0, help="limit for one proxied request")
+    p.set_defaults(func=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+        gw = Gateway(cfg, args.controller, tokenizer_dir=args.tokenizer, route_timeout_s=args.route_timeout_s,
+                     controller_retry_s=args.controller_retry_s, upstream_timeout_s=args.upstream_timeout_s)
+    except (ConfigError, ValueError) as exc:
+        log.error("gateway: bad config: %s", exc)
+        return 2
+    log.info("gateway listening on http://%s:%d", args.host, args.port)
+    with contextlib.suppress(KeyboardInterrupt):
+        web.run_app(gw.app(), host=args.host, port=args.port, access_log=None, print=None,
+                    handle_signals=True, shutdown_timeout=5.0)
+    return 0
+
+
+__all__ = ["Gateway", "Target", "add_subcommands", "run_gateway"]

@@ -1,0 +1,262 @@
+"""What the gateway learns from a request body before routing it, and from a response after.
+
+* :class:`PromptReader` turns an OpenAI request into the prompt's token ids, its turn and its
+  est_hit (DESIGN.md §1), either with the served model's own tokenizer and chat template
+  (``HFChatTokenizer``, when ``transformers`` is importable) or by asking an engine's
+  ``POST /tokenize``, which applies the same chat template the engine will apply.
+* :class:`UsageSniffer` reads a *copy* of the bytes streamed back to the client (SSE or JSON) to
+  pick up ``usage`` for the done report; the client's bytes are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from smetric_lmc.session import HFChatTokenizer, Message, history_of, turn_of
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+
+# Request fields that change how the chat template renders; /tokenize accepts the same names.
+_EXPLORE = 16
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                    "chat_template", "chat_template_kwargs")
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be routed as sent (answered with HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    token_ids: list[int] | None  # None: no tokenizer reachable; routing then falls back to load only
+    turn: int | None  # None: unknown (a completion without an explicit turn)
+    est_hit_tokens: int | None
+    approx_tokens: int  # used for load accounting when token_ids is None
+
+
+def parse_turn_header(value: str | None) -> int | None:
+    if value is None or value.strip() == "":
+        return None
+    try:
+        turn = int(value)
+    except ValueError:
+        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}") from None
+    if turn < 0:
+        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}")
+    return turn
+
+
+class PromptReader:
+    """Token ids, turn and est_hit of chat and completion requests."""
+
+    def __init__(
+        self,
+        tokenize_urls: Sequence[str],
+        http: aiohttp.ClientSession,
+        hf: HFChatTokenizer | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._urls = [u.rstrip("/") for u in tokenize_urls]
+        # Tokenizing on a saturated engine can take seconds (its API server shares the CPU with
+        # generation), so calls go to the engine that answered fastest lately; every
+        # _EXPLORE-th call goes round-robin so a recovered engine's latency is noticed.
+        self._latency = dict.fromkeys(self._urls, 0.0)
+        self._calls = itertools.count()
+        self._http = http
+        self._hf = hf
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.counters = {"tokenize_calls": 0, "tokenize_failures": 0, "untokenized": 0}
+
+    async def read(self, kind: Kind, body: dict[str, Any], explicit_turn: int | None) -> PromptInfo:
+        if kind == "chat":
+            return await self._chat(body, explicit_turn)
+        return await self._completion(body, explicit_turn)
+
+    # ---- chat -----------------------------------------------------------------------------------
+    async def _chat(self, body: dict[str, Any], explicit_turn: int | None) -> PromptInfo:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("'messages' must be a list of objects")
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        turn = turn_of(messages) if explicit_turn is None else explicit_turn
+        hist = history_of(messages) if turn > 0 else []
+        approx = len(json.dumps(messages, ensure_ascii=False)) // 4
+        if self._hf is not None:
+            ids, est = await asyncio.to_thread(self._hf_counts, messages, hist, tools, body)
+            return PromptInfo(ids, turn, est, approx)
+        extra = {k: body[k] for k in _TEMPLATE_FIELDS if k in body}
+        full = self._tokenize({"model": body.get("model"), "messages": messages, "tools": tools, **extra})
+        # est_hit is the history rendered on its own: no generation prompt, nothing continued.
+        hist_body = {"model": body.get("model"), "messages": hist, "tools": tools, "add_generation_prompt": False}
+        if "chat_template_kwargs" in body:
+            hist_body["chat_template_kwargs"] = body["chat_template_kwargs"]
+        if hist:
+            ids, hist_ids = await asyncio.gather(full, self._tokenize(hist_body))
+        else:
+            ids, hist_ids = await full, []
+        est = len(hist_ids) if hist_ids is not None else approx_history(hist)
+        return PromptInfo(ids, turn, est, approx)
+
+    def _hf_counts(
+        self, messages: list[Message], hist: list[Message], tools: list[dict] | None, body: dict[str, Any]
+    ) -> tuple[list[int], int]:
+        assert self._hf is not None
+        ids = self._hf.encode_chat(messages, tools, generation=bool(body.get("add_generation_prompt", True)))
+        est = self._hf.count(hist, tools) if hist else 0
+        return ids, est
+
+    # ---- completions --------------------------------------------------------------------------
+    async def _completion(self, body: dict[str, Any], explicit_turn: int | None) -> PromptInfo:
+        prompt = body.get("prompt")
+        # A batch routes as one request: by its first prompt (all of it goes to one instance).
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) and t >= 0 for t in prompt):
+            return PromptInfo(list(prompt), explicit_turn, None, len(prompt))
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
+        approx = len(prompt.encode()) // 4
+        if self._hf is not None:
+            ids = await asyncio.to_thread(self._hf.tok.encode, prompt)
+            return PromptInfo(list(ids), explicit_turn, None, approx)
+        extra = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
+        ids = await self._tokenize({"model": body.get("model"), "prompt": prompt, **extra})
+        return PromptInfo(ids, explicit_turn, None, approx)
+
+    # ---- engine /tokenize ---------------------------------------------------------------------
+    async def _tokenize(self, payload: dict[str, Any]) -> list[int] | None:
+        """Token ids from the first engine that answers; None when none does."""
+        if not self._urls:
+            return None
+        payload = {k: v for k, v in payload.items() if v is not None}
+        for url in self._order():
+            self.counters["tokenize_calls"] += 1
+            t0 = time.monotonic()
+            try:
+                async with self._http.post(f"{url}/tokenize", json=payload, timeout=self._timeout) as resp:
+                    data = await resp.json(content_type=None)
+                    self._observe(url, time.monotonic() - t0)
+                    if resp.status == 200 and isinstance(data, dict) and isinstance(data.get("tokens"), list):
+                        return [int(t) for t in data["tokens"]]
+                    if 400 <= resp.status < 500:
+                        # The engine rejects the request itself; it will reject the real call too.
+                        self.counters["tokenize_failures"] += 1
+                        self.counters["untokenized"] += 1
+                        return None
+                    log.warning("tokenize failed url=%s status=%s", url, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                self._observe(url, self._timeout.total or 10.0)
+                log.warning("tokenize failed url=%s error=%s", url, exc or type(exc).__name__)
+            self.counters["tokenize_failures"] += 1
+        self.counters["untokenized"] += 1
+        return None
+
+    def _order(self) -> list[str]:
+        k = next(self._calls)
+        if k % _EXPLORE == 0:
+            start = (k // _EXPLORE) % len(self._urls)
+            return self._urls[start:] + self._urls[:start]
+        return sorted(self._urls, key=self._latency.__getitem__)
+
+    def _observe(self, url: str, seconds: float) -> None:
+        self._latency[url] = 0.7 * self._latency[url] + 0.3 * seconds
+
+
+def approx_history(hist: Sequence[Message]) -> int:
+    """A history length estimate when no engine can tokenize (roughly 4 bytes a token)."""
+    return len(json.dumps(list(hist), ensure_ascii=False).encode()) // 4 if hist else 0
+
+
+class UsageSniffer:
+    """Reads ``usage`` (and a rough output count) from a copy of a response body.
+
+    SSE bodies are parsed line by line as they stream; a JSON body is kept (up to ``limit`` bytes)
+    and parsed at the end. Only OpenAI's shapes are understood; anything else yields no usage.
+    """
+
+    def __init__(self, content_type: str, limit: int = 8 << 20) -> None:
+        self.sse = content_type.startswith("text/event-stream")
+        self.limit = limit
+        self._buf = bytearray()
+        self._overflow = False
+        self.usage: dict[str, Any] | None = None
+        self.content_chunks = 0  # streamed chunks that carried generated text
+
+    def feed(self, chunk: bytes) -> None:
+        if self._overflow:
+            return
+        self._buf += chunk
+        if self.sse:
+            *lines, rest = bytes(self._buf).split(b"\n")
+            self._buf = bytearray(rest)
+            for line in lines:
+                self._sse_line(line.strip())
+        if len(self._buf) > self.limit:
+            self._overflow = True
+            self._buf.clear()
+
+    def finish(self) -> None:
+        if self._overflow:
+            return
+        if self.sse:
+            self._sse_line(bytes(self._buf).strip())
+        else:
+            try:
+                obj = json.loads(self._buf)
+            except ValueError:
+                return
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+        self._buf.clear()
+
+    def _sse_line(self, line: bytes) -> None:
+        if not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if text:
+                self.content_chunks += 1
+
+    # ---- the done report's numbers ----------------------------------------------------------------
+    def prompt_tokens(self) -> int | None:
+        return _int(self.usage, "prompt_tokens")
+
+    def output_tokens(self) -> int:
+        n = _int(self.usage, "completion_tokens")
+        return n if n is not None else self.content_chunks  # vLLM streams about a token a chunk
+
+    def cached_tokens(self) -> int | None:
+        details = (self.usage or {}).get("prompt_tokens_details")
+        return _int(details, "cached_tokens")
+
+
+def _int(obj: Any, key: str) -> int | None:
+    if not isinstance(obj, dict):
+        return None
+    v = obj.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None

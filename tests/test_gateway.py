@@ -1,0 +1,358 @@
+"""``smetric gateway`` against a real controller (in-process ``ControllerApp``, real ZMQ).
+
+The engines here are small aiohttp servers on 127.0.0.1: HTTP peers that replay OpenAI-shaped
+responses (JSON and SSE) and a byte-level ``/tokenize``. They exist to test what the gateway does
+with HTTP — proxying, SSE pass-through byte for byte, retries, the 502, the done report — without
+vLLM; tests/e2e/test_e2e_routing.py runs the same gateway against real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from smetric_lmc.config import parse_config
+from smetric_lmc.controller.app import ControllerApp
+from smetric_lmc.gateway import Gateway
+from smetric_lmc.hashing import fast_chain
+from smetric_lmc.wire import DoneReport
+from smetric_lmc.workers.launch import free_ports
+
+BLOCK = 16
+SSE_EVENTS = [
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n',
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"lo"}}]}\n\n',
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":70,'
+    b'"completion_tokens":2,"total_tokens":72,"prompt_tokens_details":{"cached_tokens":48}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def render(messages: list[dict[str, Any]], generation: bool) -> str:
+    """ChatML, as the tiny model's template renders it (tools omitted)."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if generation else "")
+
+
+def tokens_of(text: str) -> list[int]:
+    return list(text.encode())  # a byte-level "tokenizer": prefixes of text are prefixes of ids
+
+
+@dataclass
+class FakeEngine:
+    """An HTTP peer standing in for a vLLM server (see the module docstring)."""
+
+    name: str
+    fail_status: int | None = None
+    release_stream: asyncio.Event = field(default_factory=asyncio.Event)
+    hold_stream: bool = False
+    die_mid_stream: bool = False
+    received: list[dict[str, Any]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        port = free_ports(1)[0]
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "messages" in body:
+            text = render(body["messages"], body.get("add_generation_prompt", True))
+        else:
+            text = body["prompt"]
+        toks = tokens_of(text)
+        return web.json_response({"tokens": toks, "count": len(toks), "max_model_len": 4096})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        if self.fail_status:
+            return web.json_response({"error": {"message": "engine broken"}}, status=self.fail_status)
+        if not body.get("stream"):
+            n = len(tokens_of(render(body["messages"], True)))
+            return web.json_response({
+                "id": f"{self.name}-1", "object": "chat.completion", "model": body.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"from {self.name}"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3,
+                          "prompt_tokens_details": {"cached_tokens": 32}},
+            })
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(SSE_EVENTS[0])
+        if self.hold_stream:  # the test reads the first event before the rest exists
+            await self.release_stream.wait()
+        if self.die_mid_stream:  # the engine process dies after its first event
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        rest = b"".join(SSE_EVENTS[1:])
+        for k in range(0, len(rest), 37):  # odd write sizes split events across chunks
+            await resp.write(rest[k : k + 37])
+            await asyncio.sleep(0.002)
+        await resp.write_eof()
+        return resp
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.received.append(body)
+        n = len(tokens_of(body["prompt"]))
+        return web.json_response({"id": "cmpl-1", "object": "text_completion",
+                                  "choices": [{"index": 0, "text": " x", "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+
+@dataclass
+class Stack:
+    engines: list[FakeEngine]
+    controller: ControllerApp | None
+    gateway: Gateway
+    http: aiohttp.ClientSession
+    base: str
+    dones: list[DoneReport]
+
+    async def chat(self, messages: list[dict[str, Any]], **kw: Any) -> aiohttp.ClientResponse:
+        headers = kw.pop("headers", {})
+        body = {"model": "tiny", "messages": messages, **kw}
+        return await self.http.post(f"{self.base}/v1/chat/completions", json=body, headers=headers)
+
+    async def wait_dones(self, n: int, timeout_s: float = 5.0) -> list[DoneReport]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.dones) < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(self.dones) >= n, f"expected {n} done reports, got {self.dones}"
+        return self.dones
+
+
+StackFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[StackFactory]:
+    cleanups: list[Any] = []
+
+    async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False) -> Stack:
+        engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
+        for e in engines:
+            await e.start()
+            cleanups.append(e.stop)
+        instances = [{"id": e.name, "http": e.url} for e in engines]
+        if dead_instance:  # nothing listens there: connect errors
+            instances.insert(0, {"id": "dead", "http": f"http://127.0.0.1:{free_ports(1)[0]}"})
+        route_port = free_ports(1)[0]
+        cfg = parse_config({
+            "model": "tiny",
+            "hashing": {"block_size": BLOCK},
+            "instances": instances,
+            "server": {"route_url": f"tcp://127.0.0.1:{route_port}"},
+            "load": {"metrics_poll_s": 0},
+        })
+        app = None
+        if controller:
+            app = ControllerApp(cfg, enable_metrics_http=False)
+            await app.start()
+            cleanups.append(app.close)
+        dones: list[DoneReport] = []
+        if app is not None:
+            original = app.core._done  # a spy on the real handler: what the gateway reported
+
+            def spy(req: DoneReport) -> Any:
+                dones.append(req)
+                return original(req)
+
+            app.core._done = spy  # type: ignore[method-assign]
+        gw = Gateway(cfg, route_timeout_s=0.3, controller_retry_s=30.0)
+        runner = web.AppRunner(gw.app(), access_log=None)
+        await runner.setup()
+        port = free_ports(1)[0]
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        cleanups.append(runner.cleanup)
+        http = aiohttp.ClientSession()
+        cleanups.append(http.close)
+        return Stack(engines, app, gw, http, f"http://127.0.0.1:{port}", dones)
+
+    yield _make
+    for close in reversed(cleanups):
+        await close()
+
+
+MSGS = [{"role": "system", "content": "You are terse. " * 4}, {"role": "user", "content": "Say hello, please."}]
+
+
+async def test_chat_is_proxied_with_decision_headers_and_done_report(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    resp = await s.chat(MSGS, max_tokens=8)
+    assert resp.status == 200
+    body = await resp.json()
+    inst = resp.headers["X-SMetric-Instance"]
+    assert body["choices"][0]["message"]["content"] == f"from {inst}"
+    assert resp.headers["X-SMetric-Turn"] == "0"
+    assert resp.headers["X-SMetric-Local-Hit"] == "0"
+    assert "X-SMetric-Fallback" not in resp.headers
+    # The body the engine got is the client's, unchanged.
+    engine = next(e for e in s.engines if e.name == inst)
+    assert engine.received == [{"model": "tiny", "messages": MSGS, "max_tokens": 8}]
+    (done,) = await s.wait_dones(1)
+    n = len(tokens_of(render(MSGS, True)))
+    assert (done.instance_id, done.prompt_tokens, done.output_tokens, done.cached_tokens, done.ok) == (
+        inst, n, 3, 32, True)
+    assert done.e2e_s is not None and done.e2e_s > 0
+    assert s.controller is not None and len(s.controller.load) == 0  # released
+
+
+async def test_sse_stream_passes_through_byte_for_byte_as_it_arrives(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for e in s.engines:
+        e.hold_stream = True
+    resp = await s.chat(MSGS, stream=True)
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    # The first event reaches the client while the engine still holds the rest back: streamed.
+    first = await asyncio.wait_for(resp.content.readexactly(len(SSE_EVENTS[0])), 5.0)
+    assert first == SSE_EVENTS[0]
+    for e in s.engines:
+        e.release_stream.set()
+    rest = await resp.content.read()
+    assert first + rest == b"".join(SSE_EVENTS)
+    (done,) = await s.wait_dones(1)
+    assert (done.prompt_tokens, done.output_tokens, done.cached_tokens, done.ok) == (70, 2, 48, True)
+    assert done.ttft_s is not None and done.ttft_s <= done.e2e_s  # type: ignore[operator]
+
+
+async def test_follow_up_sticks_where_the_index_holds_its_history(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    assert s.controller is not None
+    follow = [*MSGS, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "Again."}]
+    history = follow[:3]
+    hist_ids = tokens_of(render(history, False))
+    # What KV events would have told the controller: e1 holds the history's blocks.
+    index = s.controller.index
+    index.gpu_stored_hashes("e1", fast_chain(hist_ids, BLOCK, root=index.fast_root))
+    resp = await s.chat(follow)
+    assert resp.status == 200
+    h = resp.headers
+    assert h["X-SMetric-Instance"] == "e1"
+    assert h["X-SMetric-Reason"] == "sticky"
+    assert h["X-SMetric-Turn"] == "1"
+    assert int(h["X-SMetric-Local-Hit"]) == len(hist_ids) // BLOCK * BLOCK
+    assert int(h["X-SMetric-Est-Hit"]) == len(hist_ids) // BLOCK * BLOCK
+    # An explicit turn overrides the count: turn 0 balances instead of sticking.
+    resp = await s.chat(follow, headers={"X-SMetric-Turn": "0"})
+    assert resp.headers["X-SMetric-Turn"] == "0" and resp.headers["X-SMetric-Reason"] == "first_turn"
+
+
+async def test_5xx_is_retried_once_on_another_instance(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    s.engines[0].fail_status = 503
+    s.engines[1].fail_status = None
+    for _ in range(4):  # whichever instance the controller picks first, every request succeeds
+        resp = await s.chat(MSGS)
+        assert resp.status == 200
+        assert resp.headers["X-SMetric-Instance"] == "e1"
+    failed_first = len(s.engines[0].received)
+    assert failed_first >= 1
+    assert s.gateway.counters["retries"] == failed_first
+    dones = await s.wait_dones(4 + failed_first)
+    bad = [d for d in dones if not d.ok]
+    assert len(bad) == failed_first and all(d.instance_id == "e0" for d in bad)
+    assert s.controller is not None and len(s.controller.load) == 0
+
+
+async def test_connect_error_is_retried_and_both_failing_gives_502(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(1, dead_instance=True)
+    for _ in range(3):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200 and resp.headers["X-SMetric-Instance"] == "e0"
+    s.engines[0].fail_status = 500
+    resp = await s.chat(MSGS)
+    assert resp.status == 502
+    err = (await resp.json())["error"]
+    assert err["type"] == "upstream_error" and "e0" in err["message"] and "dead" in err["message"]
+    assert s.gateway.counters["bad_gateway"] == 1
+
+
+async def test_controller_down_falls_back_to_round_robin(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(controller=False)
+    seen = []
+    t0 = time.monotonic()
+    for _ in range(4):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200
+        assert resp.headers["X-SMetric-Fallback"] == "controller_unavailable"
+        assert resp.headers["X-SMetric-Reason"] == "gateway_round_robin"
+        seen.append(resp.headers["X-SMetric-Instance"])
+    assert sorted(seen) == ["e0", "e0", "e1", "e1"]
+    # Only the first request waited for the route timeout (0.3 s); the rest skipped the controller.
+    assert time.monotonic() - t0 < 1.5
+
+
+async def test_models_completions_and_bad_requests(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    async with s.http.get(f"{s.base}/v1/models") as resp:
+        assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "tiny"
+    async with s.http.post(f"{s.base}/v1/completions", json={"model": "tiny", "prompt": "def f(x):"}) as resp:
+        assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == " x"
+        assert resp.headers["X-SMetric-Prompt-Tokens"] == str(len(b"def f(x):"))
+    async with s.http.post(f"{s.base}/v1/chat/completions", data=b"{not json") as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+    resp = await s.chat(MSGS, headers={"X-SMetric-Turn": "-1"})
+    assert resp.status == 400
+    async with s.http.post(f"{s.base}/v1/chat/completions", json={"model": "tiny", "messages": "hi"}) as resp:
+        assert resp.status == 400
+    assert json.loads(await (await s.http.get(f"{s.base}/healthz")).read())["ok"] is True
+
+
+async def test_engine_dying_mid_stream_aborts_the_client_connection(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for e in s.engines:
+        e.die_mid_stream = True
+    resp = await s.chat(MSGS, stream=True)
+    assert resp.status == 200
+    first = await resp.content.readexactly(len(SSE_EVENTS[0]))
+    assert first == SSE_EVENTS[0]
+    # Bytes already went out, so no retry: the client must see a broken stream, not a short one.
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.content.read()
+    (done,) = await s.wait_dones(1)
+    assert done.ok is False
+    assert s.gateway.counters["retries"] == 0 and s.gateway.counters["upstream_failures"] == 1
+
+
+async def test_client_going_away_mid_stream_is_reported_not_ok(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for e in s.engines:
+        e.hold_stream = True
+    resp = await s.chat(MSGS, stream=True)
+    await resp.content.readexactly(len(SSE_EVENTS[0]))
+    resp.close()  # the client hangs up while the engine is still generating
+    await asyncio.sleep(0.05)
+    for e in s.engines:
+        e.release_stream.set()
+    (done,) = await s.wait_dones(1)
+    assert done.ok is False
+    assert s.gateway.counters["client_disconnects"] == 1
+    assert s.controller is not None and len(s.controller.load) == 0

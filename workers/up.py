@@ -1,0 +1,224 @@
+"""``smetric up``: a whole local stack — N vLLM CPU engines, the controller, the gateway.
+
+    smetric up --engines 2 [--policy smetric] [--port 8080]
+
+Builds (once) the engine venv and the tiny test model, starts the engines with KV events and
+prefix caching on, writes a controller config for them, starts ``smetric controller`` and
+``smetric gateway`` as child processes, prints the gateway's URL, and stops everything on
+Ctrl-C, SIGTERM, or when any part exits. The pieces (config, process start-up) are reused by the
+end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smetric_lmc.config import POLICY_NAMES
+from smetric_lmc.workers import launch
+
+log = logging.getLogger(__name__)
+
+
+def controller_config(
+    engines: Sequence[launch.RunningEngine],
+    *,
+    route_url: str,
+    metrics_port: int,
+    policy: str = "smetric",
+    policy_overrides: dict[str, Any] | None = None,
+    metrics_poll_s: float = 1.0,
+    load_overrides: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """A controller config (as YAML-ready data) for running engines: events, metrics, endpoints."""
+    if not engines:
+        raise ValueError("no engines")
+    block_sizes = {e.block_size for e in engines}
+    if len(block_sizes) != 1:
+        raise ValueError(f"engines disagree on block size: {sorted(block_sizes)}")
+    return {
+        "model": model or engines[0].model,
+        "policy": {"name": policy, **(policy_overrides or {})},
+        "hashing": {"block_size": block_sizes.pop(), "vllm_hash_algo": engines[0].spec.hash_algo},
+        "instances": [
+            {"id": e.instance_id, "http": e.http_url, "kv_events": e.kv_events_endpoint, "replay": e.replay_endpoint}
+            for e in engines
+        ],
+        "server": {"route_url": route_url, "metrics_port": metrics_port},
+        "load": {"metrics_poll_s": metrics_poll_s, **(load_overrides or {})},
+    }
+
+
+def write_config(data: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside and rename: the controller watches this file for policy hot-reloads.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def _answers(url: str) -> bool:
+    """True when anything answers HTTP at ``url`` (503 included: the server is up)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _start_service(argv: list[str], name: str, log_dir: Path, ready_url: str, timeout_s: float) -> launch.ProcessGroup:
+    proc = launch.ProcessGroup(argv, dict(os.environ), log_dir / f"{name}.log", name)
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    while not _answers(ready_url):
+        rc = proc.poll()
+        if rc is not None or time.monotonic() > deadline:
+            proc.stop()
+            why = f"exited with {rc}" if rc is not None else f"not up after {timeout_s:.0f} s"
+            raise RuntimeError(f"{name} {why}; log tail:\n{launch.tail_file(proc.log_path)}")
+        time.sleep(0.2)
+    return proc
+
+
+def start_controller(config_path: Path, metrics_port: int, log_dir: Path, timeout_s: float = 30.0) -> launch.ProcessGroup:
+    """``smetric controller --config`` as a child process group; returns once /healthz answers."""
+    argv = [sys.executable, "-m", "smetric_lmc.cli", "controller", "--config", str(config_path)]
+    return _start_service(argv, "controller", log_dir, f"http://127.0.0.1:{metrics_port}/healthz", timeout_s)
+
+
+def start_gateway(
+    config_path: Path,
+    port: int,
+    log_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    tokenizer: Path | None = None,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 30.0,
+) -> launch.ProcessGroup:
+    """``smetric gateway`` as a child process group; returns once its /healthz answers."""
+    argv = [sys.executable, "-m", "smetric_lmc.cli", "gateway", "--config", str(config_path),
+            "--host", host, "--port", str(port), *extra_args]
+    if tokenizer is not None:
+        argv += ["--tokenizer", str(tokenizer)]
+    return _start_service(argv, "gateway", log_dir, f"http://{host}:{port}/healthz", timeout_s)
+
+
+@dataclass
+class LocalStack:
+    engines: list[launch.RunningEngine]
+    config_path: Path
+    gateway_url: str
+    metrics_url: str
+    processes: list[launch.ProcessGroup] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.processes) and all(
+            e.process.poll() is None for e in self.engines
+        )
+
+    def stop(self) -> None:
+        # Front to back: no new requests reach engines that are going away.
+        for proc in reversed(self.processes):
+            proc.stop(timeout_s=10.0)
+        for e in self.engines:
+            e.process.stop()
+
+
+def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
+    venv = launch.ensure_engine_venv()
+    python = launch.engine_python(venv)
+    model = Path(args.model) if args.model else launch.build_tiny_model(
+        venv.parent / "models" / "tiny-qwen2", python=python)
+    specs = launch.cpu_test_specs(args.engines, model, python=python,
+                                  block_size=args.block_size, max_model_len=args.max_model_len)
+    log.info("starting %d vLLM engines (30-50 s each on CPU); logs in %s", len(specs), workdir)
+    engines = launch.start_engines(specs, workdir, timeout_s=args.engine_timeout_s)
+    stack = LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{args.port}", "")
+    try:
+        route_port, metrics_port = launch.free_ports(2)
+        cfg = controller_config(engines, route_url=f"tcp://127.0.0.1:{route_port}", metrics_port=metrics_port,
+                                policy=args.policy)
+        write_config(cfg, stack.config_path)
+        stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        stack.processes.append(start_controller(stack.config_path, metrics_port, workdir))
+        # The model's own tokenizer when this interpreter has transformers; else engines' /tokenize.
+        tok = model if importlib.util.find_spec("transformers") is not None else None
+        stack.processes.append(start_gateway(stack.config_path, args.port, workdir, host=args.host, tokenizer=tok))
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="smetric-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    stack: LocalStack | None = None
+    try:
+        stack = bring_up(args, workdir)
+        print(f"gateway:  {stack.gateway_url}/v1  (OpenAI-compatible; model name {stack.engines[0].model!r})")
+        print(f"metrics:  {stack.metrics_url}")
+        print(f"config:   {stack.config_path}")
+        print(f"logs:     {workdir}")
+        print("Ctrl-C stops everything.", flush=True)
+        while stack.alive():
+            time.sleep(1.0)
+        log.error("a part of the stack exited; stopping the rest (logs in %s)", workdir)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        log.info("stopping the stack")
+        return 0
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # EngineStartError included
+        log.error("smetric up failed: %s", exc)
+        return 1
+    finally:
+        with contextlib.suppress(KeyboardInterrupt, _Stop):
+            if stack is not None:
+                stack.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``up`` subcommand to the ``smetric`` console script."""
+    p = subparsers.add_parser("up", help="run a local stack: N vLLM CPU engines + controller + gateway",
+                              description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--engines", type=int, default=2, help="vLLM engines to start (each ~3 GB RAM)")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="smetric")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--port", type=int, default=8080, help="gateway port")
+    p.add_argument("--model", default=None, help="model dir to serve (default: build the tiny test model)")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM --block-size (CPU prefers multiples of 32)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--engine-timeout-s", type=float, default=300.0)
+    p.add_argument("--workdir", default=None, help="config and logs (default: a new temp dir)")
+    p.set_defaults(func=run_up)
