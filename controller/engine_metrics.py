@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.load import LoadTracker
 
 log = logging.getLogger(__name__)
@@ -171,9 +172,5 @@ class EngineMetricsPoller:
 
     async def close(self) -> None:
         self._closing = True
-        task = self._task
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
         await self._close_session()

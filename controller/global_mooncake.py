@@ -22,7 +22,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from smetric_lmc.lmcache_keys import BARE_SUFFIXES, ChunkPresence, GlobalTierSink
+from smetric_lmc.controller.global_common import GlobalTierView, TransitionBatch
+from smetric_lmc.controller.tasks import cancel_and_wait
+from smetric_lmc.lmcache_keys import BARE_SUFFIXES, GlobalTierSink
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def open_store_probe(
     return store  # type: ignore[no-any-return]
 
 
-class MooncakeGlobalTier:
+class MooncakeGlobalTier(GlobalTierView):
     """Keeps ``sink`` informed of which LMCache chunks of ``model`` are complete in Mooncake Store.
 
     ``events_endpoint``: the master's ``--kv_events_bind_endpoint`` (ZMQ PUB).
@@ -78,20 +80,26 @@ class MooncakeGlobalTier:
         probe_batch: int = 1024,
         backoff_max_s: float = 5.0,
     ) -> None:
-        self._sink = sink
-        self.model = model
-        self.world_size = world_size
+        super().__init__(
+            sink,
+            model=model,
+            world_size=world_size,
+            suffixes=BARE_SUFFIXES,
+            num_layers=num_layers,
+            clear_on_outage=clear_on_outage,
+            counters=(
+                "messages", "events", "bad_frames", "bad_events", "unknown_events", "seq_gaps",
+                "seq_restarts", "reconciles", "reconcile_errors", "http_errors", "probe_errors",
+                "zmq_errors", "sink_errors", "stored", "removed", "cleared", "last_listing_keys",
+            ),
+        )
         self.events_endpoint = events_endpoint
         self.master_http_url = master_http_url.rstrip("/") if master_http_url else None
         self.reconcile_interval_s = reconcile_interval_s
         self._store = store
-        self._num_layers = num_layers
-        self._presence = self._new_presence()
-        self._clear_on_outage = clear_on_outage
         self._http_timeout_s = http_timeout_s
         self._probe_batch = probe_batch
         self._backoff_max_s = backoff_max_s
-        self._available = False
         self._closing = False
         self._last_seq: int | None = None
         self._reconciling = False
@@ -102,34 +110,10 @@ class MooncakeGlobalTier:
         self._http: aiohttp.ClientSession | None = None
         self._decoder = msgspec.msgpack.Decoder()
         self.master_kv_events: bool | None = None  # what the master's /kv_events/status says
-        self._counters: dict[str, int] = dict.fromkeys(
-            (
-                "messages", "events", "bad_frames", "bad_events", "unknown_events", "seq_gaps",
-                "seq_restarts", "reconciles", "reconcile_errors", "http_errors", "probe_errors",
-                "zmq_errors", "sink_errors", "stored", "removed", "cleared", "last_listing_keys",
-            ),
-            0,
-        )
-
-    def _new_presence(self) -> ChunkPresence:
-        return ChunkPresence(self.model, self.world_size, suffixes=BARE_SUFFIXES, num_layers=self._num_layers)
-
-    @property
-    def available(self) -> bool:
-        return self._available
 
     @property
     def stats(self) -> dict[str, Any]:
-        return {
-            **self._counters,
-            **self._presence.stats(),
-            "available": self._available,
-            "last_seq": self._last_seq,
-            "master_kv_events": self.master_kv_events,
-        }
-
-    def present(self) -> set[int]:
-        return self._presence.present()
+        return {**super().stats, "last_seq": self._last_seq, "master_kv_events": self.master_kv_events}
 
     @property
     def _can_reconcile(self) -> bool:
@@ -165,10 +149,7 @@ class MooncakeGlobalTier:
         self._closing = True
         self._wake.set()
         task, self._task = self._task, None
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     # ---- events --------------------------------------------------------------------------------------
 
@@ -239,8 +220,7 @@ class MooncakeGlobalTier:
             log.warning("mooncake events lost and no reconcile source configured; view may be stale")
 
     def _apply_events(self, events: Iterable[Any]) -> None:
-        run_kind: str | None = None
-        run: list[int] = []
+        transitions = TransitionBatch(self._emit)
         for ev in events:
             self._counters["events"] += 1
             if not isinstance(ev, dict):
@@ -250,9 +230,7 @@ class MooncakeGlobalTier:
             if not isinstance(kind, str):
                 kind = _LEGACY_TYPES.get(ev.get("type"))  # type: ignore[arg-type]
             if kind == "cleared":
-                if run:
-                    self._emit(run_kind, run)
-                    run = []
+                transitions.flush()
                 self._counters["cleared"] += 1
                 self._presence.clear()
                 self._call_sink(self._sink.global_reset, ())
@@ -265,31 +243,9 @@ class MooncakeGlobalTier:
                 self._counters["bad_events"] += 1
                 continue
             chunk = self._presence.add(key) if kind == "stored" else self._presence.remove(key)
-            if chunk is None:
-                continue
-            # Flush on direction change so the sink sees transitions in order.
-            if kind != run_kind and run:
-                self._emit(run_kind, run)
-                run = []
-            run_kind = kind
-            run.append(chunk)
-        if run:
-            self._emit(run_kind, run)
-
-    def _emit(self, kind: str | None, chunks: list[int]) -> None:
-        if kind == "stored":
-            self._counters["stored"] += len(chunks)
-            self._call_sink(self._sink.global_stored, chunks)
-        else:
-            self._counters["removed"] += len(chunks)
-            self._call_sink(self._sink.global_removed, chunks)
-
-    def _call_sink(self, fn: Any, chunks: Iterable[int]) -> None:
-        try:
-            fn(chunks)
-        except Exception:
-            self._counters["sink_errors"] += 1
-            log.exception("global tier sink raised")
+            if chunk is not None:
+                transitions.add(kind, chunk)
+        transitions.flush()
 
     # ---- reconciliation ------------------------------------------------------------------------------
 
@@ -316,14 +272,13 @@ class MooncakeGlobalTier:
                 if keys is not None:
                     fresh = self._new_presence()
                     fresh.reset(keys)
-                    fresh.bad_keys, fresh.foreign_keys = self._presence.bad_keys, self._presence.foreign_keys
-                    self._presence = fresh
+                    self._adopt(fresh)
                     self._counters["last_listing_keys"] = len(keys)
                     return self._reconciled()
             if self._store is not None and await self._probe():
                 return self._reconciled()
             self._counters["reconcile_errors"] += 1
-            self._set_unavailable()
+            self._set_unavailable("mooncake global tier unreachable")
             return False
         finally:
             self._reconciling = False
@@ -338,15 +293,6 @@ class MooncakeGlobalTier:
         self._available = True
         self._call_sink(self._sink.global_reset, self._presence.present())
         return True
-
-    def _set_unavailable(self) -> None:
-        if not self._available:
-            return
-        self._available = False
-        log.warning("mooncake global tier unreachable; routing without it until it returns")
-        if self._clear_on_outage:
-            self._presence.clear()
-            self._call_sink(self._sink.global_reset, ())
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:

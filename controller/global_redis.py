@@ -12,7 +12,6 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -21,6 +20,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
+from smetric_lmc.controller.global_common import GlobalTierView, Transition, TransitionBatch
+from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, GlobalTierSink
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def keyevent_action(channel: str | bytes) -> Action | None:
 
 def apply_keyevent(
     presence: ChunkPresence, channel: str | bytes, key: str | bytes
-) -> tuple[Literal["stored", "removed"], int] | None:
+) -> tuple[Transition, int] | None:
     """Apply one notification to ``presence``; returns the chunk transition it caused.
 
     A chunk disappears when EITHER of its two keys goes (allkeys-lru evicts the
@@ -97,7 +98,7 @@ def merged_notify_flags(current: str) -> str:
     return current + "".join(missing)
 
 
-class RedisGlobalTier:
+class RedisGlobalTier(GlobalTierView):
     """Keeps ``sink`` informed of which LMCache chunks of ``model`` are complete in Redis.
 
     Start with ``asyncio.create_task(tier.run())``; stop with ``await tier.close()``.
@@ -121,50 +122,31 @@ class RedisGlobalTier:
         connect_timeout_s: float = 2.0,
         scan_count: int = 1000,
     ) -> None:
+        super().__init__(
+            sink,
+            model=model,
+            world_size=world_size,
+            suffixes=suffixes,
+            num_layers=num_layers,
+            clear_on_outage=clear_on_outage,
+            counters=(
+                "connects", "connection_errors", "config_refused", "notifications", "notifications_ignored",
+                "bad_messages", "reconciles", "reconcile_errors", "sink_errors", "stored", "removed",
+                "last_scan_keys", "last_scan_bad_keys",
+            ),
+        )
         self.url = url
-        self._sink = sink
-        self.model = model
-        self.world_size = world_size
         self.reconcile_interval_s = reconcile_interval_s
-        self._suffixes = suffixes
-        self._num_layers = num_layers
-        self._presence = self._new_presence()
-        self._clear_on_outage = clear_on_outage
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._connect_timeout_s = connect_timeout_s
         self._scan_count = scan_count
-        self._available = False
         self._closing = False
         self._reconcile_requested = False
         self._session_connected = False
         self._task: asyncio.Task[None] | None = None
         self._client: aioredis.Redis | None = None
         self._db = int(parse_url(url).get("db", 0) or 0)  # ValueError on a malformed URL: a config error
-        self._counters: dict[str, int] = dict.fromkeys(
-            (
-                "connects", "connection_errors", "config_refused", "notifications", "notifications_ignored",
-                "bad_messages", "reconciles", "reconcile_errors", "sink_errors", "stored", "removed",
-                "last_scan_keys", "last_scan_bad_keys",
-            ),
-            0,
-        )
-
-    def _new_presence(self) -> ChunkPresence:
-        return ChunkPresence(
-            self.model, self.world_size, suffixes=self._suffixes, num_layers=self._num_layers
-        )
-
-    @property
-    def available(self) -> bool:
-        return self._available
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return {**self._counters, **self._presence.stats(), "available": self._available}
-
-    def present(self) -> set[int]:
-        return self._presence.present()
 
     def request_reconcile(self) -> None:
         """Reconcile at the next loop turn instead of waiting for the interval."""
@@ -192,7 +174,7 @@ class RedisGlobalTier:
                     await self._drop_client()
                 if self._closing:
                     break
-                self._set_unavailable()
+                self._set_unavailable(f"redis global tier {self.url} unavailable")
                 if self._session_connected:
                     # The connection had worked: restart the backoff from its shortest step.
                     backoff = self._backoff_initial_s
@@ -207,10 +189,7 @@ class RedisGlobalTier:
     async def close(self) -> None:
         self._closing = True
         task, self._task = self._task, None
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         await self._drop_client()
 
     async def _drop_client(self) -> None:
@@ -218,15 +197,6 @@ class RedisGlobalTier:
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.aclose()
-
-    def _set_unavailable(self) -> None:
-        if not self._available:
-            return
-        self._available = False
-        log.warning("redis global tier %s unavailable; routing without it until it returns", self.url)
-        if self._clear_on_outage:
-            self._presence.clear()
-            self._call_sink(self._sink.global_reset, ())
 
     async def _session(self) -> None:
         """Connect, subscribe, reconcile, then follow notifications until an error or close."""
@@ -288,8 +258,7 @@ class RedisGlobalTier:
             log.warning("redis %s refused CONFIG for keyspace notifications (%s); relying on SCAN", self.url, e)
 
     def _apply_messages(self, batch: list[Any]) -> None:
-        run_kind: str | None = None
-        run: list[int] = []
+        transitions = TransitionBatch(self._emit)
         for msg in batch:
             if not isinstance(msg, dict) or msg.get("type") != "pmessage":
                 self._counters["bad_messages"] += 1
@@ -299,30 +268,8 @@ class RedisGlobalTier:
             if change is None:
                 self._counters["notifications_ignored"] += 1
                 continue
-            kind, chunk = change
-            # Flush on direction change so the sink sees transitions in order.
-            if kind != run_kind and run:
-                self._emit(run_kind, run)
-                run = []
-            run_kind = kind
-            run.append(chunk)
-        if run:
-            self._emit(run_kind, run)
-
-    def _emit(self, kind: str | None, chunks: list[int]) -> None:
-        if kind == "stored":
-            self._counters["stored"] += len(chunks)
-            self._call_sink(self._sink.global_stored, chunks)
-        elif kind == "removed":
-            self._counters["removed"] += len(chunks)
-            self._call_sink(self._sink.global_removed, chunks)
-
-    def _call_sink(self, fn: Any, chunks: Iterable[int]) -> None:
-        try:
-            fn(chunks)
-        except Exception:
-            self._counters["sink_errors"] += 1
-            log.exception("global tier sink raised")
+            transitions.add(*change)
+        transitions.flush()
 
     async def _reconcile(self, client: aioredis.Redis) -> None:
         """Rebuild from SCAN. Notifications that arrive meanwhile stay buffered in the
@@ -340,7 +287,5 @@ class RedisGlobalTier:
         self._counters["reconciles"] += 1
         self._counters["last_scan_keys"] = n
         self._counters["last_scan_bad_keys"] = fresh.bad_keys
-        fresh.bad_keys = self._presence.bad_keys
-        fresh.foreign_keys = self._presence.foreign_keys
-        self._presence = fresh
+        self._adopt(fresh)
         self._call_sink(self._sink.global_reset, fresh.present())

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import socket as _socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,13 +30,14 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.controller import lmcache_proto as P
+from smetric_lmc.controller.lmcache_holdings import Holdings
+from smetric_lmc.controller.lmcache_upstream import Upstream
 
 __all__ = ["LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-_UPSTREAM_HWM = 10_000
 
 
 class LMCacheSink(Protocol):
@@ -105,85 +106,6 @@ class _Worker:
     seq: dict[str, int] = field(default_factory=dict)
 
 
-_Slot = tuple[str, int, str]  # (lmcache instance id, worker id, location)
-
-
-class _Holdings:
-    """Which (worker, location) sources of one instance hold each chunk.
-
-    The sink is per instance while LMCache reports per worker and per location (CPU, disk).
-    A chunk leaves the instance only when its last source drops it, so an eviction from CPU does
-    not hide a copy still on disk and one rank re-registering does not wipe the other ranks.
-    """
-
-    def __init__(self) -> None:
-        self.bits: dict[_Slot, int] = {}
-        self.chunks: dict[int, int] = {}
-
-    def bit(self, slot: _Slot) -> int:
-        b = self.bits.get(slot)
-        if b is None:
-            used = 0
-            for v in self.bits.values():
-                used |= v
-            b = 1
-            while b & used:
-                b <<= 1
-            self.bits[slot] = b
-        return b
-
-    def apply(self, slot: _Slot, ops: Iterable[tuple[bool, int]]) -> tuple[list[int], list[int]]:
-        """Apply (is_admit, key) ops in order; return the instance-level (admitted, evicted)."""
-        b = self.bit(slot)
-        chunks = self.chunks
-        before: dict[int, int] = {}
-        for is_admit, key in ops:
-            mask = chunks.get(key, 0)
-            if key not in before:
-                before[key] = mask
-            if is_admit:
-                chunks[key] = mask | b
-            elif mask & b:
-                mask &= ~b
-                if mask:
-                    chunks[key] = mask
-                else:
-                    del chunks[key]
-        admitted = [k for k, m in before.items() if not m and k in chunks]
-        evicted = [k for k, m in before.items() if m and k not in chunks]
-        return admitted, evicted
-
-    def drop(self, match: Callable[[_Slot], bool]) -> list[int]:
-        """Forget every source matching ``match``; return the chunks the instance no longer holds."""
-        mask = 0
-        for slot in [s for s in self.bits if match(s)]:
-            mask |= self.bits.pop(slot)
-        if not mask:
-            return []
-        gone: list[int] = []
-        keep = ~mask
-        for key, m in list(self.chunks.items()):
-            if m & mask:
-                m &= keep
-                if m:
-                    self.chunks[key] = m
-                else:
-                    del self.chunks[key]
-                    gone.append(key)
-        return gone
-
-    def prefix_len(self, slot: _Slot, hashes: list[int]) -> int:
-        b = self.bits.get(slot)
-        if b is None:
-            return 0
-        n = 0
-        for h in hashes:
-            if not self.chunks.get(h, 0) & b:
-                break
-            n += 1
-        return n
-
-
 class LMCacheWorkerServer:
     """LMCache-protocol endpoint for workers; feeds an index sink. See module docstring."""
 
@@ -218,7 +140,7 @@ class LMCacheWorkerServer:
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._upstream = (
-            _Upstream(self._ctx, upstream_pull_url, upstream_reply_url, upstream_timeout_s)
+            Upstream(self._ctx, upstream_pull_url, upstream_reply_url, upstream_timeout_s)
             if upstream_pull_url is not None or upstream_reply_url is not None
             else None
         )
@@ -226,7 +148,7 @@ class LMCacheWorkerServer:
         self._endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._workers: dict[tuple[str, int], _Worker] = {}
-        self._holdings: dict[str, _Holdings] = {}
+        self._holdings: dict[str, Holdings] = {}
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "pull_frames", "router_frames", "heartbeat_frames", "decode_errors",
@@ -321,18 +243,21 @@ class LMCacheWorkerServer:
 
     # ---- socket loops ----
 
-    async def _pull_loop(self) -> None:
-        sock = self._socks["pull"]
+    async def _receive(self, name: str, label: str) -> AsyncIterator[list[bytes]]:
+        """Messages from socket ``name`` until the server closes; receive errors are logged and skipped."""
+        sock = self._socks[name]
         while True:
             try:
                 frames = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
             except zmq.ZMQError as exc:
                 if self._closed:
                     return
-                log.warning("PULL receive failed: %s", exc)
+                log.warning("%s receive failed: %s", label, exc)
                 continue
+            yield frames
+
+    async def _pull_loop(self) -> None:
+        async for frames in self._receive("pull", "PULL"):
             sender: tuple[str, int] | None = None
             for frame in frames:
                 self._stats["pull_frames"] += 1
@@ -349,16 +274,7 @@ class LMCacheWorkerServer:
     async def _router_loop(self, name: str) -> None:
         sock = self._socks[name]
         heartbeat_only = name == "heartbeat"
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                log.warning("%s receive failed: %s", name, exc)
-                continue
+        async for frames in self._receive(name, name):
             self._stats[f"{name if heartbeat_only else 'router'}_frames"] += 1
             if len(frames) < 2:
                 # A ROUTER always prepends the identity; fewer frames cannot be answered.
@@ -540,7 +456,7 @@ class LMCacheWorkerServer:
 
     def _apply(self, w: _Worker, location: str, ops: list[tuple[bool, int]]) -> None:
         assert w.instance_id is not None
-        h = self._holdings.setdefault(w.instance_id, _Holdings())
+        h = self._holdings.setdefault(w.instance_id, Holdings())
         admitted, evicted = h.apply((w.lmc_id, w.worker_id, location), ops)
         if evicted:
             self._sink.lmcache_evict(w.instance_id, evicted)
@@ -553,7 +469,7 @@ class LMCacheWorkerServer:
             return
         h = self._holdings.get(w.instance_id)
         if h is None:
-            h = self._holdings[w.instance_id] = _Holdings()
+            h = self._holdings[w.instance_id] = Holdings()
         gone = h.drop(lambda s: s[0] == w.lmc_id and s[1] == w.worker_id
                       and (location is None or s[2] == location))
         if not h.chunks:
@@ -696,144 +612,3 @@ class LMCacheWorkerServer:
 
 def _expected_heartbeat(name: str) -> str:
     return f"Expected HeartbeatMsg, got <class '{P.LMCACHE_MESSAGE_MODULE}.{name}'>"
-
-
-@dataclass
-class _Channel:
-    """Upstream state of one worker."""
-
-    sock: zmq.asyncio.Socket
-    task: asyncio.Task[None] | None = None
-    inflight: int = 0
-    since: float = 0.0
-    backlog: list[list[bytes]] = field(default_factory=list)
-    commands: list[P.HeartbeatCommand] = field(default_factory=list)
-
-
-class _Upstream:
-    """Forwards raw worker frames to a real LMCache controller and consumes its replies."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, pull_url: str | None, reply_url: str | None,
-                 timeout_s: float) -> None:
-        self._ctx = ctx
-        self._pull_url = pull_url
-        self._reply_url = reply_url
-        self._timeout = timeout_s
-        self._push: zmq.asyncio.Socket | None = None
-        self._channels: dict[tuple[str, int], _Channel] = {}
-        self.stats = dict.fromkeys(
-            ("upstream_forwarded", "upstream_dropped", "upstream_replies", "upstream_errors"), 0)
-
-    def start(self) -> None:
-        if self._pull_url is not None:
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, 0)
-            self._push.setsockopt(zmq.SNDHWM, _UPSTREAM_HWM)
-            self._push.connect(self._pull_url)
-
-    async def close(self) -> None:
-        tasks = [c.task for c in self._channels.values() if c.task is not None]
-        for key in list(self._channels):
-            self.drop_worker(key, flush=False)
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if self._push is not None:
-            self._push.close(linger=0)
-
-    def take_commands(self, key: tuple[str, int]) -> list[P.HeartbeatCommand]:
-        ch = self._channels.get(key)
-        if ch is None or not ch.commands:
-            return []
-        out, ch.commands = ch.commands, []
-        return out
-
-    def drop_worker(self, key: tuple[str, int], *, flush: bool = True) -> None:
-        ch = self._channels.pop(key, None)
-        if ch is None:
-            return
-        if flush:
-            self._flush(ch)
-        if ch.task is not None:
-            ch.task.cancel()
-        ch.sock.close(linger=0)
-
-    def forward_push(self, frames: list[bytes], key: tuple[str, int] | None) -> None:
-        if self._push is None:
-            return
-        ch = self._channels.get(key) if key is not None else None
-        if ch is not None and ch.inflight:
-            if time.monotonic() - ch.since < self._timeout:
-                # The worker sent this after getting our reply to its request; the upstream must
-                # see that request first (e.g. ops right after a RegisterMsg), so hold it back.
-                if len(ch.backlog) >= _UPSTREAM_HWM:
-                    self.stats["upstream_dropped"] += 1
-                else:
-                    ch.backlog.append(frames)
-                return
-            ch.inflight = 0  # upstream silent: stop holding back, forward best effort
-            self._flush(ch)
-        self._send_push(frames)
-
-    def forward_request(self, key: tuple[str, int], frame: bytes) -> None:
-        if self._reply_url is None:
-            return
-        ch = self._channels.get(key)
-        if ch is None:
-            # One DEALER per worker: the upstream sees each worker as its own peer, and every
-            # reply on this socket belongs to this worker.
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, _UPSTREAM_HWM)
-            sock.connect(self._reply_url)
-            ch = self._channels[key] = _Channel(sock=sock)
-            ch.task = asyncio.create_task(self._read(key, ch), name="lmcache-upstream")
-        try:
-            ch.sock.send_multipart([b"", frame], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.stats["upstream_dropped"] += 1
-            return
-        self.stats["upstream_forwarded"] += 1
-        if not ch.inflight:
-            ch.since = time.monotonic()
-        ch.inflight += 1
-
-    def _flush(self, ch: _Channel) -> None:
-        backlog, ch.backlog = ch.backlog, []
-        for frames in backlog:
-            self._send_push(frames)
-
-    def _send_push(self, frames: list[bytes]) -> None:
-        assert self._push is not None
-        try:
-            self._push.send_multipart(frames, flags=zmq.NOBLOCK)
-            self.stats["upstream_forwarded"] += 1
-        except zmq.ZMQError as exc:
-            self.stats["upstream_dropped"] += 1
-            log.debug("upstream PUSH failed: %s", exc)
-
-    async def _read(self, key: tuple[str, int], ch: _Channel) -> None:
-        while True:
-            try:
-                frames = await ch.sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError:
-                return
-            self.stats["upstream_replies"] += 1
-            if ch.inflight:
-                ch.inflight -= 1
-                ch.since = time.monotonic()
-                if not ch.inflight:
-                    self._flush(ch)
-            try:
-                reply = P.decode(frames[-1])
-            except P.ProtocolError as exc:
-                self.stats["upstream_errors"] += 1
-                log.debug("undecodable upstream reply: %s", exc)
-                continue
-            if isinstance(reply, P.ErrorMsg):
-                self.stats["upstream_errors"] += 1
-                log.debug("upstream error for %s: %s", key, reply.error)
-            elif isinstance(reply, P.HeartbeatRetMsg) and reply.commands:
-                ch.commands = list(reply.commands)

@@ -15,7 +15,6 @@ mislabel sessions as evicted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, PolicyConfig
+from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
@@ -502,11 +502,7 @@ class RouteService:
 
     async def close(self) -> None:
         self._closing = True
-        task = self._task
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -15,7 +15,6 @@ Replay: a DEALER sends ``[b"", start_seq u64 BE]`` to the engine's ROUTER and re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -26,6 +25,8 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import zmq
 import zmq.asyncio
+
+from smetric_lmc.controller.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,15 @@ class GpuBlockSink(Protocol):
     def gpu_cleared(self, instance_id: str) -> None: ...
 
 
+def _untracked(ev: BlockStored | BlockRemoved, group_idx: int | None) -> str | None:
+    """The tally for a block event of another medium or KV cache group; None if it is tracked."""
+    if ev.medium is not None and ev.medium != MEDIUM_GPU:
+        return "non_gpu"
+    if group_idx is not None and ev.group_idx is not None and ev.group_idx != group_idx:
+        return "other_group"
+    return None
+
+
 def apply_batch(
     batch: EventBatch,
     sink: GpuBlockSink,
@@ -221,17 +231,17 @@ def apply_batch(
     ``other_group``.
     """
     n_stored = n_removed = n_cleared = blocks_stored = blocks_removed = 0
-    unknown = malformed = non_gpu = other_group = 0
+    unknown = malformed = 0
+    untracked = {"non_gpu": 0, "other_group": 0}
     # vLLM sends one BlockRemoved per evicted block; consecutive removals commute, so they
     # are merged into one sink call (flushed before anything that must stay ordered).
     pending: list[int] = []
     for ev in batch.events:
         if isinstance(ev, BlockRemoved):
             n_removed += 1
-            if ev.medium is not None and ev.medium != MEDIUM_GPU:
-                non_gpu += 1
-            elif group_idx is not None and ev.group_idx is not None and ev.group_idx != group_idx:
-                other_group += 1
+            skip = _untracked(ev, group_idx)
+            if skip is not None:
+                untracked[skip] += 1
             else:
                 pending.extend(ev.block_hashes)
             continue
@@ -241,10 +251,9 @@ def apply_batch(
             pending = []
         if isinstance(ev, BlockStored):
             n_stored += 1
-            if ev.medium is not None and ev.medium != MEDIUM_GPU:
-                non_gpu += 1
-            elif group_idx is not None and ev.group_idx is not None and ev.group_idx != group_idx:
-                other_group += 1
+            skip = _untracked(ev, group_idx)
+            if skip is not None:
+                untracked[skip] += 1
             elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
                 # vLLM reports full blocks only; anything else would corrupt a re-hash.
                 malformed += 1
@@ -273,8 +282,7 @@ def apply_batch(
             ("blocks_removed", blocks_removed),
             ("unknown", unknown),
             ("malformed", malformed),
-            ("non_gpu", non_gpu),
-            ("other_group", other_group),
+            *untracked.items(),
         ):
             if value:
                 counts[key] = counts.get(key, 0) + value
@@ -409,11 +417,7 @@ class VllmEventSubscriber:
 
     async def close(self) -> None:
         self._closing = True
-        task = self._task
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task)
         self._sub.close(linger=0)
 
     # -- frames ---------------------------------------------------------------

@@ -201,7 +201,8 @@ class ChunkPresence:
             "foreign_keys": self.foreign_keys,
         }
 
-    def _locate(self, raw: str | bytes) -> tuple[int, _Variant, int] | None:
+    def _locate(self, raw: str | bytes) -> tuple[int, tuple[int, _Variant], int] | None:
+        """``(chunk hash, mask slot, mask bit)`` of a key of this view, None for any other key."""
         key = parse_key(raw, self.suffixes)
         if key is None:
             self.bad_keys += 1
@@ -217,17 +218,16 @@ class ChunkPresence:
             return None
         layer = key.layer_id or 0
         bit = ((key.worker_id * self._layers) + layer) * len(self.suffixes) + self._suffix_index[key.suffix]
-        return key.chunk_hash, (key.dtype, layered, key.tags), bit
+        return key.chunk_hash, (key.chunk_hash, (key.dtype, layered, key.tags)), 1 << bit
 
     def add(self, raw: str | bytes) -> int | None:
         """Record that ``raw`` exists; returns the chunk hash if the chunk just became present."""
         loc = self._locate(raw)
         if loc is None:
             return None
-        chunk, variant, bit = loc
-        slot = (chunk, variant)
+        chunk, slot, bit = loc
         old = self._masks.get(slot, 0)
-        new = old | (1 << bit)
+        new = old | bit
         if new == old:
             return None
         self._masks[slot] = new
@@ -242,10 +242,9 @@ class ChunkPresence:
         loc = self._locate(raw)
         if loc is None:
             return None
-        chunk, variant, bit = loc
-        slot = (chunk, variant)
+        chunk, slot, bit = loc
         old = self._masks.get(slot, 0)
-        new = old & ~(1 << bit)
+        new = old & ~bit
         if new == old:
             return None
         if new:

@@ -12,12 +12,8 @@ missing (install them with ``.ci/services.sh``).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -26,12 +22,14 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from smetric_lmc.workers import launch
+
+REPO_ROOT = launch.REPO_ROOT
 
 
 def shared_dir() -> Path:
     """The shared reference data (fixtures, traces); skips the test if absent."""
-    path = Path(os.environ.get("SMETRIC_SHARED", REPO_ROOT.parent / "shared"))
+    path = launch.shared_dir()
     if not path.is_dir():
         pytest.skip(f"shared reference data not found at {path} (set SMETRIC_SHARED)")
     return path
@@ -45,38 +43,23 @@ def fixture_path(name: str) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return launch.free_ports(1)[0]
 
 
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not open after {timeout_s}s")
+def wait_port(port: int, timeout_s: float, proc: launch.ProcessGroup | None = None) -> None:
+    launch.wait_port("127.0.0.1", port, proc, timeout_s)
 
 
-def _stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout_s)
+def _stop(process: launch.ProcessGroup | None) -> None:
+    if process is not None:
+        process.stop(timeout_s=5.0)
 
 
 def require_redis() -> str:
-    exe = shutil.which("redis-server")
-    if exe is None:
+    try:
+        return launch.find_binary("redis-server", "SMETRIC_REDIS_SERVER")
+    except launch.GlobalStoreUnavailable:
         pytest.skip("redis-server not installed (run .ci/services.sh)")
-    return exe
 
 
 class RedisServer:
@@ -86,7 +69,7 @@ class RedisServer:
         self.exe = require_redis()
         self.port = port or free_port()
         self.extra_args = list(extra_args)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: launch.ProcessGroup | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="smetric-redis-")
 
     @property
@@ -98,13 +81,15 @@ class RedisServer:
             self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir.name, "--daemonize", "no", *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port, 10.0, self.proc)
+        log_path = Path(self._dir.name) / "redis.log"
+        self.process = launch.ProcessGroup(args, dict(os.environ), log_path, "redis-server")
+        self.process.start()
+        wait_port(self.port, 10.0, self.process)
         return self
 
     def stop(self) -> None:
-        _stop(self.proc)
-        self.proc = None
+        _stop(self.process)
+        self.process = None
 
     def restart(self) -> None:
         """Stop and start again on the same port (state is lost: no persistence)."""
@@ -147,7 +132,7 @@ class MooncakeMaster:
         self.events_port = free_port()
         self.lease_ms = lease_ms
         self.extra_args = list(extra_args)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: launch.ProcessGroup | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="smetric-mooncake-")
         self._log_path = Path(self._dir.name) / "master.log"
 
@@ -181,12 +166,15 @@ class MooncakeMaster:
             f"--default_kv_lease_ttl={self.lease_ms}",
             *self.extra_args,
         ]
-        with self._log_path.open("ab") as log_file:
-            self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=self._dir.name)
+        self.process = launch.ProcessGroup(
+            args, dict(os.environ), self._log_path, "mooncake_master", cwd=Path(self._dir.name)
+        )
+        self.process.start()
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n{self.log_tail()}")
+            rc = self.process.poll()
+            if rc is not None:
+                raise RuntimeError(f"mooncake_master exited with {rc}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.admin_url}/get_all_keys", timeout=1.0) as resp:
                     if resp.status == 200:
@@ -197,8 +185,8 @@ class MooncakeMaster:
                 self.stop()
                 raise TimeoutError(f"mooncake_master admin HTTP not up after {timeout_s}s:\n{self.log_tail()}")
             time.sleep(0.1)
-        wait_port(self.rpc_port, 5.0, self.proc)
-        wait_port(self.metadata_port, 5.0, self.proc)
+        wait_port(self.rpc_port, 5.0, self.process)
+        wait_port(self.metadata_port, 5.0, self.process)
         return self
 
     def get(self, path: str) -> tuple[int, str]:
@@ -206,8 +194,8 @@ class MooncakeMaster:
             return int(resp.status), resp.read().decode()
 
     def stop(self) -> None:
-        _stop(self.proc)
-        self.proc = None
+        _stop(self.process)
+        self.process = None
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()

@@ -8,6 +8,7 @@ recording, and small aiohttp servers stand in for vLLM's ``/metrics`` HTTP endpo
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import helpers
 import pytest
 import yaml
 import zmq
@@ -33,13 +35,8 @@ from smetric_lmc.hashing import fast_chain
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 
-
-async def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+# These waits follow in-process sockets, which answer within a few milliseconds.
+wait_for = functools.partial(helpers.wait_for, poll_s=0.01)
 
 
 def base_config(**over: Any) -> dict[str, Any]:

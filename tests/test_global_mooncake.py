@@ -10,48 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from helpers import RecorderSink, wait_for
 from services import MooncakeMaster, fixture_path, free_port
 
 from smetric_lmc.controller.global_mooncake import MooncakeGlobalTier, open_store_probe
 from smetric_lmc.lmcache_keys import ChunkPresence, format_key
 
 MODEL = "tiny/qwen2"
-
-
-class RecorderSink:
-    def __init__(self) -> None:
-        self.chunks: set[int] = set()
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def global_stored(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("stored", hs))
-        self.chunks.update(hs)
-
-    def global_removed(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("removed", hs))
-        self.chunks.difference_update(hs)
-
-    def global_reset(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("reset", hs))
-        self.chunks = set(hs)
-
-
-async def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def load_fixture() -> dict:

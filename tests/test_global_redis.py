@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import pytest
 import redis
+from helpers import RecorderSink, wait_for
 from services import RedisServer, fixture_path, free_port, require_redis
 
 from smetric_lmc.controller.global_redis import (
@@ -21,37 +21,6 @@ from smetric_lmc.controller.global_redis import (
 from smetric_lmc.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, format_key
 
 MODEL = "tiny/qwen2"
-
-
-class RecorderSink:
-    """Stands in for the index: applies the three calls to a set and logs them."""
-
-    def __init__(self) -> None:
-        self.chunks: set[int] = set()
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def global_stored(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("stored", hs))
-        self.chunks.update(hs)
-
-    def global_removed(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("removed", hs))
-        self.chunks.difference_update(hs)
-
-    def global_reset(self, chunk_hashes: Iterable[int]) -> None:
-        hs = list(chunk_hashes)
-        self.calls.append(("reset", hs))
-        self.chunks = set(hs)
-
-
-async def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def chunk_key(h: int, suffix: str, model: str = MODEL) -> str:

@@ -341,11 +341,14 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
 class ProcessGroup:
     """A child started in its own session (process group) that is stopped as a whole."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, name: str) -> None:
+    def __init__(
+        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, name: str, cwd: Path | None = None
+    ) -> None:
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = log_path
         self.name = name
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -365,6 +368,7 @@ class ProcessGroup:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            cwd=self.cwd,
             start_new_session=True,
         )
 
@@ -586,21 +590,26 @@ class GlobalStore:
         self.stop()
 
 
-def _find_binary(name: str, env_var: str) -> str:
+def find_binary(name: str, env_var: str) -> str:
+    """``$env_var`` if set, else ``name`` on PATH; raises GlobalStoreUnavailable when neither is."""
     path = os.environ.get(env_var) or shutil.which(name)
     if not path:
         raise GlobalStoreUnavailable(f"{name} not found on PATH (or set {env_var})")
     return path
 
 
-def _wait_port(host: str, port: int, proc: ProcessGroup, timeout_s: float) -> None:
+def wait_port(host: str, port: int, proc: ProcessGroup | None, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts connections; raise if ``proc`` exits first or on timeout
+    (stopping ``proc`` then, so that a server that never came up does not outlive the caller)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{proc.name} exited early; log tail:\n{tail_file(proc.log_path)}")
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
             return
         time.sleep(0.1)
+    if proc is None:
+        raise RuntimeError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
     proc.stop()
     raise RuntimeError(f"{proc.name} did not listen on {host}:{port} in {timeout_s:.0f} s")
 
@@ -664,12 +673,12 @@ def start_global_store(
     """
     log_dir = log_dir or Path(tempfile.gettempdir())
     if kind == "redis":
-        binary = _find_binary("redis-server", "SMETRIC_REDIS_SERVER")
+        binary = find_binary("redis-server", "SMETRIC_REDIS_SERVER")
         port = port or free_ports(1, host)[0]
         argv = redis_argv(binary, host, port, maxmemory)
         extra: dict[str, int] = {}
     elif kind == "mooncake":
-        binary = _find_binary("mooncake_master", "SMETRIC_MOONCAKE_MASTER")
+        binary = find_binary("mooncake_master", "SMETRIC_MOONCAKE_MASTER")
         ports = free_ports(3, host)
         port = port or ports[0]
         extra = {"metadata": ports[1], "metrics": ports[2]}
@@ -678,7 +687,7 @@ def start_global_store(
         raise ValueError(f"unknown global store kind {kind!r}")
     proc = ProcessGroup(argv, dict(os.environ), log_dir / f"{kind}-{port}.log", f"{kind}-store")
     proc.start()
-    _wait_port(host, port, proc, timeout_s)
+    wait_port(host, port, proc, timeout_s)
     return GlobalStore(kind=kind, host=host, port=port, process=proc, extra_ports=extra)
 
 

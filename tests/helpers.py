@@ -1,0 +1,40 @@
+"""Test doubles and waits shared by the test modules (import as ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+
+class RecorderSink:
+    """Stands in for the index's global tier: applies the three calls to a set and logs them."""
+
+    def __init__(self) -> None:
+        self.chunks: set[int] = set()
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def global_stored(self, chunk_hashes: Iterable[int]) -> None:
+        hs = list(chunk_hashes)
+        self.calls.append(("stored", hs))
+        self.chunks.update(hs)
+
+    def global_removed(self, chunk_hashes: Iterable[int]) -> None:
+        hs = list(chunk_hashes)
+        self.calls.append(("removed", hs))
+        self.chunks.difference_update(hs)
+
+    def global_reset(self, chunk_hashes: Iterable[int]) -> None:
+        hs = list(chunk_hashes)
+        self.calls.append(("reset", hs))
+        self.chunks = set(hs)
+
+
+async def wait_for(
+    cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition", poll_s: float = 0.02
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(poll_s)
