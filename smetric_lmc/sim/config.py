@@ -1,0 +1,90 @@
+"""Simulator settings (``configs/sim.yaml``): cluster shape, arrivals, global tier, SLO."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from smetric_lmc.sim.profile import configs_dir
+
+GLOBAL_CHOICES = ("none", "0.4", "0.8", "1.6", "full")
+
+
+class SLO(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    ttft_base_s: float = 2.0  # a in TTFT <= a + b * input_tokens
+    ttft_per_token_s: float = 2.0e-4  # b
+    tpot_s: float = 0.030
+
+    def ttft_limit(self, input_tokens: Any) -> Any:
+        return self.ttft_base_s + self.ttft_per_token_s * input_tokens
+
+
+class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    profile: str = "qwen3-30b-a3b-h20"
+    instances: int = 32
+    rate: float = 0.05  # session arrivals per second (Poisson): the offered-load knob
+    arrival: Literal["closed", "open"] = "closed"
+    global_tier: str = "none"  # none | <multiple of total local capacity> | full
+    pd: bool = False  # PD disaggregation: instances only prefill
+    pd_decode_tpot_s: float = 0.020  # decode pace assumed on the separate decode pool (PD mode)
+    slo: SLO = msgspec.field(default_factory=SLO)
+    tps_tokens: Literal["total", "output"] = "total"  # what "tokens" counts in TPS within SLO
+    # TPS is measured over the session-arrival period (first to last root-session start: load is
+    # sustained there) or over the whole run (first arrival to last completion: ramp-up and drain
+    # included, and a long tail session alone sets the end).
+    measure: Literal["arrivals", "run"] = "arrivals"
+    window_s: float = 60.0  # load-heatmap / imbalance window
+    decode_run_max: int = 512  # longest batch of decode iterations advanced in one step
+    # Recorded think times above this are clipped: multi-hour gaps are a user away from the keyboard,
+    # and replaying them would stretch a run over days of mostly idle cluster time.
+    max_think_s: float = 600.0
+    max_sessions: int | None = None  # replay only the first N root sessions (with their sub-agents)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ValueError("instances must be >= 1")
+        if self.rate <= 0:
+            raise ValueError("rate must be > 0")
+        global_capacity_factor(self.global_tier)  # validates
+
+    @property
+    def has_global(self) -> bool:
+        return self.global_tier != "none"
+
+
+def global_capacity_factor(choice: str) -> float | None:
+    """None (no global tier), a multiple of the total local capacity, or inf (fully provisioned)."""
+    if choice == "none":
+        return None
+    if choice in ("full", "inf"):
+        return math.inf
+    try:
+        f = float(choice)
+    except ValueError:
+        raise ValueError(f"global_tier must be none, full or a number, got {choice!r}") from None
+    if f <= 0:
+        raise ValueError("global_tier multiple must be > 0")
+    return f
+
+
+def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
+    """Defaults from ``configs/sim.yaml`` (or ``path``), then keyword overrides (None = keep)."""
+    p = Path(path) if path is not None else configs_dir() / "sim.yaml"
+    data: dict[str, Any] = {}
+    if p.exists():
+        with open(p) as fh:
+            data = yaml.safe_load(fh) or {}
+    for k, v in overrides.items():
+        if v is not None:
+            data[k] = v
+    if "global_tier" in data:
+        data["global_tier"] = str(data["global_tier"])
+    try:
+        return msgspec.convert(data, SimConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{p.name}: {exc}") from None
