@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
-import orjson
 
 from .chain import chain_ids, common_prefix, scope_seed
 from .model import TraceRequest, TraceSession, Workload, share_prefix_views
@@ -27,8 +27,8 @@ def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
             if not line:
                 continue
             try:
-                yield orjson.loads(line)
-            except orjson.JSONDecodeError as e:
+                yield msgspec.json.decode(line)
+            except msgspec.DecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
 
 

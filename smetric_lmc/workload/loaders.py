@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
+import msgspec
 
 from .jsonl import load_bailian, load_mooncake
 from .model import Workload
@@ -27,8 +27,8 @@ def detect_format(path: str | Path) -> str:
     with open(p, "rb") as fh:
         head = fh.readline(1 << 20).strip()
     try:
-        first = orjson.loads(head)
-    except orjson.JSONDecodeError:
+        first = msgspec.json.decode(head)
+    except msgspec.DecodeError:
         first = None
     if isinstance(first, dict):
         if "chat_id" in first:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
+import msgspec
 from tqdm import tqdm
 
 from .chain import SharedPrefix, chain_session, scope_seed
@@ -127,7 +127,7 @@ def load_weka(
     n_conv = 0
     it = _iter_conversations(path, limit)
     for _name, data in tqdm(it, desc=f"loading {path.name}", unit="conv", disable=not progress, total=limit):
-        builder.conversation(orjson.loads(data))
+        builder.conversation(msgspec.json.decode(data))
         n_conv += 1
     sessions = sorted(builder.sessions, key=lambda s: s.session_id)
     meta: dict[str, Any] = {
