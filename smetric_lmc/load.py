@@ -79,8 +79,7 @@ class LoadTracker:
 
     def reconcile(self, instance_id: str, engine_requests: int, grace_s: float = 30.0) -> int:
         """Align with the engine's running+waiting count. Returns entries released as lost."""
-        if instance_id not in self._count:
-            return 0
+        self.add_instance(instance_id)  # an engine that reports load exists, routed to or not
         ours = self._count[instance_id]
         self._external[instance_id] = max(0, engine_requests - ours)
         excess = ours - engine_requests

@@ -54,3 +54,9 @@ def test_external_requests_count_as_load():
     assert lt.in_flight("a") == 5 and lt.loads(["a"]) == [5.0]
     lt.remove_instance("a")
     assert lt.loads(["a"]) == [0.0] and len(lt) == 0
+
+
+def test_reconcile_counts_external_load_on_an_instance_never_routed_to():
+    lt = LoadTracker()
+    assert lt.reconcile("fresh", 3) == 0
+    assert lt.loads(["fresh"]) == [3]

@@ -150,7 +150,9 @@ class Client:
             v = await self.metric(name, **labels)
             if pred(v):
                 return v
-            assert time.monotonic() < deadline, f"{name}{labels} stuck at {v}"
+            if time.monotonic() >= deadline:
+                polls = {k: v for k, v in (await self.metrics()).items() if "engine" in k[0] or "in_flight" in k[0]}
+                raise AssertionError(f"{name}{labels} stuck at {v}; controller engine-poll metrics: {polls}")
             await asyncio.sleep(0.2)
 
     async def reset_cache(self, engine: launch.RunningEngine) -> None:
@@ -321,11 +323,11 @@ async def test_smetric_routing_on_real_engines(
     cfg = up.controller_config(engines, route_url=f"tcp://127.0.0.1:{route_port}", metrics_port=metrics_port,
                                policy="smetric", policy_overrides={"overload": OVERLOAD},
                                # A generating engine's API server answers /metrics in seconds on this
-                               # 2-core box; the controller's poll times out at 0.8 x the period.
-                               metrics_poll_s=6.25,
+                               # 2-core box: poll often, and let each poll wait a few seconds.
+                               metrics_poll_s=1.0,
                                # A shared 2-core box can stall an idle engine's /metrics for many
                                # seconds; do not let that drop it (and its index) mid-test.
-                               load_overrides={"instance_timeout_s": 300.0})
+                               load_overrides={"instance_timeout_s": 300.0, "metrics_timeout_s": 5.0})
     config_path = up.write_config(cfg, tmp_path / "smetric.yaml")
     procs: list[Any] = []
     results: dict[str, Any] = {"engine_start_s": round(time.monotonic() - t_start, 1)}
@@ -383,7 +385,7 @@ async def test_smetric_routing_on_real_engines(
             async with Busy(hot, 6) as load:
                 await engine_requests_at_least(http, hot, 4)
                 with paused(hot):
-                    await client.wait_metric("smetric_instance_in_flight", lambda v: v >= 4, timeout_s=60.0,
+                    await client.wait_metric("smetric_instance_in_flight", lambda v: v >= 4, timeout_s=90.0,
                                              instance=hot.instance_id)
                     before = await client.metric("smetric_route_decisions_total", policy="smetric",
                                                  reason="overloaded_fallback")
