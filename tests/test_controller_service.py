@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 from collections.abc import Iterator
@@ -117,13 +118,20 @@ def svc() -> Iterator[ServiceThread]:
 
 @pytest.fixture
 def dealer(svc: ServiceThread) -> Iterator[zmq.Socket]:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
+    with connect_dealer(svc.endpoint) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def connect_dealer(endpoint: str) -> Iterator[zmq.Socket]:
+    s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 3000)
-    s.connect(svc.endpoint)
-    yield s
-    s.close(linger=0)
+    s.connect(endpoint)
+    try:
+        yield s
+    finally:
+        s.close(linger=0)
 
 
 def ask(sock: zmq.Socket, payload: bytes, *, delimiter: bool = True) -> bytes:
@@ -234,21 +242,14 @@ def test_error_reply_names_the_request_and_speaks_json(dealer: zmq.Socket) -> No
 
 def test_oversize_frame_is_rejected_before_decoding() -> None:
     core = make_core()
-    with ServiceThread(core, max_frame_bytes=4096) as st:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 3000)
-        s.connect(st.endpoint)
-        try:
-            big = encode(RouteRequest(request_id="big", token_ids=list(range(5000))))
-            assert len(big) > 4096
-            reply = decode_reply(ask(s, big))
-            assert isinstance(reply, ErrorReply) and reply.code == "too_large"
-            assert st.service is not None and st.service.counters["too_large"] == 1
-            assert core.counters["route"] == 0  # never decoded
-            assert isinstance(decode_reply(ask(s, encode(route_req("ok", token_ids=PROMPT[:64])))), RouteDecision)
-        finally:
-            s.close(linger=0)
+    with ServiceThread(core, max_frame_bytes=4096) as st, connect_dealer(st.endpoint) as s:
+        big = encode(RouteRequest(request_id="big", token_ids=list(range(5000))))
+        assert len(big) > 4096
+        reply = decode_reply(ask(s, big))
+        assert isinstance(reply, ErrorReply) and reply.code == "too_large"
+        assert st.service is not None and st.service.counters["too_large"] == 1
+        assert core.counters["route"] == 0  # never decoded
+        assert isinstance(decode_reply(ask(s, encode(route_req("ok", token_ids=PROMPT[:64])))), RouteDecision)
 
 
 def test_misframed_messages_are_answered_or_dropped(svc: ServiceThread, dealer: zmq.Socket) -> None:
@@ -329,79 +330,51 @@ def test_stats_health_instances(dealer: zmq.Socket) -> None:
 
 def test_empty_index_degrades_to_load_balance() -> None:
     core = make_core()
-    with ServiceThread(core) as st:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 3000)
-        s.connect(st.endpoint)
-        try:
-            d = decode_reply(ask(s, encode(route_req("x1"))))
-            assert isinstance(d, RouteDecision) and d.policy == "load_balance"
-            h = decode_reply(ask(s, encode(HealthRequest())))
-            assert isinstance(h, HealthReply) and h.index_ready is False and h.ok
-            seed(core, "i0", PROMPT)
-            d2 = decode_reply(ask(s, encode(route_req("x2"))))
-            assert isinstance(d2, RouteDecision) and d2.policy == "smetric" and d2.instance_id == "i0"
-        finally:
-            s.close(linger=0)
+    with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
+        d = decode_reply(ask(s, encode(route_req("x1"))))
+        assert isinstance(d, RouteDecision) and d.policy == "load_balance"
+        h = decode_reply(ask(s, encode(HealthRequest())))
+        assert isinstance(h, HealthReply) and h.index_ready is False and h.ok
+        seed(core, "i0", PROMPT)
+        d2 = decode_reply(ask(s, encode(route_req("x2"))))
+        assert isinstance(d2, RouteDecision) and d2.policy == "smetric" and d2.instance_id == "i0"
 
 
 def test_no_instances_is_a_decision_without_endpoint() -> None:
     core = make_core(0)
-    with ServiceThread(core) as st:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 3000)
-        s.connect(st.endpoint)
-        try:
-            d = decode_reply(ask(s, encode(route_req("n1"))))
-            assert isinstance(d, RouteDecision)
-            assert d.instance_id is None and d.endpoint is None and d.reason.value == "no_instances"
-            h = decode_reply(ask(s, encode(HealthRequest())))
-            assert isinstance(h, HealthReply) and not h.ok
-        finally:
-            s.close(linger=0)
+    with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
+        d = decode_reply(ask(s, encode(route_req("n1"))))
+        assert isinstance(d, RouteDecision)
+        assert d.instance_id is None and d.endpoint is None and d.reason.value == "no_instances"
+        h = decode_reply(ask(s, encode(HealthRequest())))
+        assert isinstance(h, HealthReply) and not h.ok
 
 
 def test_lmcache_chunks_count_as_local_hits() -> None:
     core = make_core(want_chunks=True)
     tokens = list(range(600))
     core.index.lmcache_admit("i0", lmcache_chunk_chain(tokens, 256, root=0))
-    with ServiceThread(core) as st:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 3000)
-        s.connect(st.endpoint)
-        try:
-            d = decode_reply(ask(s, encode(RouteRequest(request_id="c1", token_ids=tokens, turn=1, est_hit_tokens=512))))
-            assert isinstance(d, RouteDecision) and (d.instance_id, d.local_hit_tokens) == ("i0", 512)
-            # The same chain sent pre-hashed (lmcache scheme) gives the same answer.
-            chain = HashChain("lmcache_builtin", 256, lmcache_chunk_chain(tokens, 256, root=0))
-            d2 = decode_reply(ask(s, encode(RouteRequest(request_id="c2", hashes=[chain], turn=1, est_hit_tokens=512))))
-            assert isinstance(d2, RouteDecision) and (d2.instance_id, d2.local_hit_tokens) == ("i0", 512)
-        finally:
-            s.close(linger=0)
+    with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
+        d = decode_reply(ask(s, encode(RouteRequest(request_id="c1", token_ids=tokens, turn=1, est_hit_tokens=512))))
+        assert isinstance(d, RouteDecision) and (d.instance_id, d.local_hit_tokens) == ("i0", 512)
+        # The same chain sent pre-hashed (lmcache scheme) gives the same answer.
+        chain = HashChain("lmcache_builtin", 256, lmcache_chunk_chain(tokens, 256, root=0))
+        d2 = decode_reply(ask(s, encode(RouteRequest(request_id="c2", hashes=[chain], turn=1, est_hit_tokens=512))))
+        assert isinstance(d2, RouteDecision) and (d2.instance_id, d2.local_hit_tokens) == ("i0", 512)
 
 
 def test_disaggregated_routes_only_to_prefill_capable_instances() -> None:
     core = make_core(3, disaggregated=True, roles=["decode", "prefill", "both"])
     seed(core, "i0", PROMPT)  # the decode instance holds the prefix, but takes no new requests
-    with ServiceThread(core) as st:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, 3000)
-        s.connect(st.endpoint)
-        try:
-            chosen = set()
-            for k in range(6):
-                d = decode_reply(ask(s, encode(route_req(f"p{k}"))))
-                assert isinstance(d, RouteDecision)
-                chosen.add(d.instance_id)
-            assert chosen == {"i1", "i2"}
-            h = decode_reply(ask(s, encode(HealthRequest())))
-            assert isinstance(h, HealthReply) and h.routable_instances == 2
-        finally:
-            s.close(linger=0)
+    with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
+        chosen = set()
+        for k in range(6):
+            d = decode_reply(ask(s, encode(route_req(f"p{k}"))))
+            assert isinstance(d, RouteDecision)
+            chosen.add(d.instance_id)
+        assert chosen == {"i1", "i2"}
+        h = decode_reply(ask(s, encode(HealthRequest())))
+        assert isinstance(h, HealthReply) and h.routable_instances == 2
 
 
 # ---- CURVE ---------------------------------------------------------------------------------------

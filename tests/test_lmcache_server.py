@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -136,13 +138,22 @@ def ops(iid: str, pairs: list[tuple[str, int]], *, wid: int = 0, loc: str = "Loc
 # ---- recorded exchanges, replayed byte for byte ----
 
 
-async def test_replay_recorded_exchanges(ctx: zmq.asyncio.Context, rec: dict) -> None:
-    sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, heartbeat_url=ANY,
-                                 heartbeat_advertise="127.0.0.1:18082")
+@contextlib.asynccontextmanager
+async def serving(ctx: zmq.asyncio.Context, sink: Any, **kw: Any) -> AsyncIterator[tuple[LMCacheWorkerServer, Worker]]:
+    """Our server on free loopback ports, and a worker (DEALER + PUSH) connected to it."""
+    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, **kw)
     await server.start()
     w = Worker(ctx, server.endpoints)
     try:
+        yield server, w
+    finally:
+        w.close()
+        await server.close()
+
+
+async def test_replay_recorded_exchanges(ctx: zmq.asyncio.Context, rec: dict) -> None:
+    sink = RecordingSink()
+    async with serving(ctx, sink, heartbeat_url=ANY, heartbeat_advertise="127.0.0.1:18082") as (server, w):
         for ex in rec["exchanges"]:
             frames = [bytes.fromhex(h) for h in ex["sent_frames_hex"]]
             if ex["kind"] == "push":
@@ -151,9 +162,6 @@ async def test_replay_recorded_exchanges(ctx: zmq.asyncio.Context, rec: dict) ->
             assert frames[0] == b""
             got = await w.ask(frames[1], heartbeat=ex["socket"] == "heartbeat")
             assert got == bytes.fromhex(ex["reply_frames_hex"][1]), ex["note"]
-    finally:
-        w.close()
-        await server.close()
 
     assert sink.changes() == [
         ("cleared", "vllm-a"),                     # register A
@@ -179,29 +187,17 @@ async def test_replay_recorded_exchanges(ctx: zmq.asyncio.Context, rec: dict) ->
 
 
 async def test_register_advertises_bound_heartbeat_port(ctx: zmq.asyncio.Context) -> None:
-    server = LMCacheWorkerServer(RecordingSink(), pull_url=ANY, reply_url=ANY, heartbeat_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, RecordingSink(), heartbeat_url=ANY) as (server, w):
         ret = await w.call(reg("a"))
         port = server.endpoints["heartbeat"].rsplit(":", 1)[1]
         assert ret == P.RegisterRetMsg(extra_config={"heartbeat_url": f"127.0.0.1:{port}"})
         # Heartbeats are also answered on the main reply socket, as upstream does.
         assert isinstance(await w.call(hb("a")), P.HeartbeatRetMsg)
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_without_heartbeat_socket_register_has_no_url(ctx: zmq.asyncio.Context) -> None:
-    server = LMCacheWorkerServer(RecordingSink(), pull_url=ANY, reply_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, RecordingSink()) as (server, w):
         assert await w.call(reg("a")) == P.RegisterRetMsg(extra_config={})
-    finally:
-        w.close()
-        await server.close()
 
 
 # ---- semantics beyond the recording ----
@@ -209,10 +205,7 @@ async def test_without_heartbeat_socket_register_has_no_url(ctx: zmq.asyncio.Con
 
 async def test_sources_per_worker_and_location(ctx: zmq.asyncio.Context) -> None:
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, full_sync_on_start=False)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, sink, full_sync_on_start=False) as (server, w):
         await w.call(reg("a", 0))
         await w.call(reg("a", 1))
         sink.calls.clear()
@@ -231,18 +224,12 @@ async def test_sources_per_worker_and_location(ctx: zmq.asyncio.Context) -> None
         assert server.stats["seq_gaps"] == 0
         await push(server, w, [ops("a", [("admit", 9)], seq0=10)])
         assert server.stats["seq_gaps"] == 1
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_full_sync_flow_and_edge_cases(ctx: zmq.asyncio.Context) -> None:
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, heartbeat_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
     loc = "LocalCPUBackend"
-    try:
+    async with serving(ctx, sink, heartbeat_url=ANY) as (server, w):
         start = P.FullSyncStartMsg(instance_id="a", worker_id=0, location=loc, sync_id="s1",
                                    total_keys=4, batch_count=2)
         # Unknown worker: rejected with LMCache's text.
@@ -286,17 +273,10 @@ async def test_full_sync_flow_and_edge_cases(ctx: zmq.asyncio.Context) -> None:
         assert await w.call(hb("b"), heartbeat=True) == P.HeartbeatRetMsg()
         await push(server, w, [ops("a", [("admit", 5)], seq0=50)])
         assert sink.held()["a"] == {1, 2, 3, 4, 5}
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_full_sync_timeout_asks_for_retry(ctx: zmq.asyncio.Context) -> None:
-    server = LMCacheWorkerServer(RecordingSink(), pull_url=ANY, reply_url=ANY, full_sync_timeout_s=0.05,
-                                 full_sync_on_start=False)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, RecordingSink(), full_sync_timeout_s=0.05, full_sync_on_start=False) as (server, w):
         await w.call(reg("a"))
         await w.call(P.FullSyncStartMsg(instance_id="a", worker_id=0, location="L", sync_id="s",
                                         total_keys=1, batch_count=1))
@@ -304,18 +284,11 @@ async def test_full_sync_timeout_asks_for_retry(ctx: zmq.asyncio.Context) -> Non
         await asyncio.sleep(0.1)
         assert await w.call(hb("a")) == P.HeartbeatRetMsg(
             commands=[P.FullSyncCommand(reason="sync_failed_retry")])
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_unresolved_instance_is_counted_and_ignored(ctx: zmq.asyncio.Context) -> None:
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY,
-                                 resolve_instance=lambda iid, wid: None if iid == "ghost" else f"i-{iid}")
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, sink, resolve_instance=lambda iid, wid: None if iid == "ghost" else f"i-{iid}") as (server, w):
         assert isinstance(await w.call(reg("ghost")), P.RegisterRetMsg)
         assert isinstance(await w.call(reg("a")), P.RegisterRetMsg)
         await push(server, w, [ops("ghost", [("admit", 1), ("admit", 2)]), ops("a", [("admit", 3)])])
@@ -324,34 +297,22 @@ async def test_unresolved_instance_is_counted_and_ignored(ctx: zmq.asyncio.Conte
         assert await w.call(hb("ghost")) == P.HeartbeatRetMsg(
             commands=[P.FullSyncCommand(reason="controller_restart")])
         assert {x.instance_id for x in server.workers()} == {None, "i-a"}
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_ops_before_registration_apply_then_heartbeat_reregisters(ctx: zmq.asyncio.Context) -> None:
     # After a controller restart workers keep PUSHing; their next heartbeat re-registers them.
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, heartbeat_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, sink, heartbeat_url=ANY) as (server, w):
         await push(server, w, [ops("a", [("admit", 7)], seq0=40)])
         assert sink.changes() == [("admit", "a", [7])]
         assert not server.workers()[0].registered
         assert await w.call(hb("a"), heartbeat=True) == P.HeartbeatRetMsg(
             commands=[P.FullSyncCommand(reason="worker_re_registered")])
         assert server.workers()[0].registered
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_p2p_lookup_prefers_longest_prefix_and_needs_peer_url(ctx: zmq.asyncio.Context) -> None:
-    server = LMCacheWorkerServer(RecordingSink(), pull_url=ANY, reply_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, RecordingSink()) as (server, w):
         await w.call(reg("a", peer="10.0.0.1:1"))
         await w.call(reg("b", peer="10.0.0.2:1"))
         await w.call(reg("c"))  # no peer url: never a P2P source
@@ -368,9 +329,6 @@ async def test_p2p_lookup_prefers_longest_prefix_and_needs_peer_url(ctx: zmq.asy
         none = P.BatchedP2PLookupRetMsg(layout_info=[("", "", 0, "")])
         assert await w.call(look([9, 1])) == none
         assert await w.call(look([])) == none
-    finally:
-        w.close()
-        await server.close()
 
 
 # ---- bad input never kills the server ----
@@ -378,10 +336,7 @@ async def test_p2p_lookup_prefers_longest_prefix_and_needs_peer_url(ctx: zmq.asy
 
 async def test_garbage_on_pull_is_dropped_and_counted(ctx: zmq.asyncio.Context) -> None:
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY, max_frame_bytes=4096)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, sink, max_frame_bytes=4096) as (server, w):
         bad = [
             b"", b"\xff\x00garbage", b"\xc0", b"{\"type\": \"BatchedKVOperationMsg\"",
             msgspec.msgpack.encode({"type": "Nope"}),
@@ -405,16 +360,10 @@ async def test_garbage_on_pull_is_dropped_and_counted(ctx: zmq.asyncio.Context) 
         await push(server, w, [ops("a", [("admit", 1)])])
         assert sink.changes()[-1] == ("admit", "a", [1])
         assert server.stats["internal_errors"] == 0
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_bad_requests_get_error_replies(ctx: zmq.asyncio.Context) -> None:
-    server = LMCacheWorkerServer(RecordingSink(), pull_url=ANY, reply_url=ANY, heartbeat_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, RecordingSink(), heartbeat_url=ANY) as (server, w):
         async def err(payload: bytes, heartbeat: bool = False) -> str:
             r = P.decode(await w.ask(payload, heartbeat=heartbeat))
             assert isinstance(r, P.ErrorMsg)
@@ -445,9 +394,6 @@ async def test_bad_requests_get_error_replies(ctx: zmq.asyncio.Context) -> None:
         raw.close()
         assert len(frames) == 1 and isinstance(P.decode(frames[0]), P.ErrorMsg)
         assert server.stats["internal_errors"] == 0
-    finally:
-        w.close()
-        await server.close()
 
 
 async def test_sink_exception_does_not_kill_server(ctx: zmq.asyncio.Context) -> None:
@@ -455,17 +401,11 @@ async def test_sink_exception_does_not_kill_server(ctx: zmq.asyncio.Context) -> 
         def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None:
             raise RuntimeError("index bug")
 
-    server = LMCacheWorkerServer(Exploding(), pull_url=ANY, reply_url=ANY)
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, Exploding()) as (server, w):
         await w.call(reg("a"))
         await push(server, w, [ops("a", [("admit", 1)])])
         assert server.stats["internal_errors"] == 1
         assert isinstance(await w.call(hb("a")), P.HeartbeatRetMsg)
-    finally:
-        w.close()
-        await server.close()
 
 
 # ---- forwarding to a real LMCache controller (LMCacheControllerManager, CPU, subprocess) ----
@@ -595,20 +535,12 @@ async def test_forwarding_to_real_lmcache_controller(ctx: zmq.asyncio.Context) -
 async def test_upstream_down_does_not_block_workers(ctx: zmq.asyncio.Context) -> None:
     p_pull, p_reply = _free_ports(2)
     sink = RecordingSink()
-    server = LMCacheWorkerServer(sink, pull_url=ANY, reply_url=ANY,
-                                 upstream_pull_url=f"tcp://127.0.0.1:{p_pull}",
-                                 upstream_reply_url=f"tcp://127.0.0.1:{p_reply}")
-    await server.start()
-    w = Worker(ctx, server.endpoints)
-    try:
+    async with serving(ctx, sink, upstream_pull_url=f"tcp://127.0.0.1:{p_pull}", upstream_reply_url=f"tcp://127.0.0.1:{p_reply}") as (server, w):
         t0 = time.monotonic()
         assert isinstance(await w.call(reg("a")), P.RegisterRetMsg)
         await push(server, w, [ops("a", [("admit", 1)])])
         assert time.monotonic() - t0 < 2
         assert sink.changes()[-1] == ("admit", "a", [1])
-    finally:
-        w.close()
-        await server.close()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -308,6 +308,16 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def engine_with_subscriber(
+    ctx: zmq.asyncio.Context, sink: Recorder, engine_kw: dict[str, Any] | None = None, **sub_kw: Any
+) -> tuple[FakeEngine, VllmEventSubscriber]:
+    """A fake engine binding a free loopback port and a subscriber connected to it (and its replay)."""
+    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True, **(engine_kw or {}))
+    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    sub_kw.setdefault("replay_endpoint", engine.replay_endpoint)
+    return engine, VllmEventSubscriber(ep, "e0", sink, bind=False, ctx=ctx, **sub_kw)
+
+
 @contextlib.asynccontextmanager
 async def running(sub: VllmEventSubscriber) -> AsyncIterator[asyncio.Task[None]]:
     task = asyncio.create_task(sub.run())
@@ -338,9 +348,7 @@ async def test_recorded_stream_end_to_end(
         sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, ctx=ctx)
         assert sub.binds
     else:
-        engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True)
-        ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+        engine, sub = engine_with_subscriber(ctx, sink)
     async with running(sub):
         await engine.subscribed()
         for seq, payload in frames:
@@ -358,10 +366,8 @@ async def test_recorded_stream_end_to_end(
 async def test_dropped_frames_are_replayed(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink)
     async with running(sub):
         await engine.subscribed()
         for seq, payload in frames:
@@ -386,10 +392,8 @@ async def test_recorded_replay_exchange_byte_for_byte(
 ) -> None:
     rec = recorded["replay"]
     canned = [[bytes.fromhex(f) for f in msg] for msg in rec["reply_messages_received_by_dealer_hex"]]
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True, canned_replay=canned)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink, engine_kw={"canned_replay": canned})
     async with running(sub):
         await engine.subscribed()
         for seq, payload in frames:
@@ -425,10 +429,8 @@ async def test_late_subscriber_replays_from_zero(
 async def test_unfillable_gap_clears_the_instance(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True, replay=False)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink, {"replay": False}, replay_endpoint=None)
     async with running(sub):
         await engine.subscribed()
         for seq, payload in frames[:10]:
@@ -444,12 +446,8 @@ async def test_unfillable_gap_clears_the_instance(
 async def test_replay_timeout_counts_and_clears(
     ctx: zmq.asyncio.Context, frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True, answer_replay=False)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(
-        ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, replay_timeout_s=0.2, ctx=ctx
-    )
+    engine, sub = engine_with_subscriber(ctx, sink, {"answer_replay": False}, replay_timeout_s=0.2)
     async with running(sub):
         await engine.subscribed()
         await engine.publish(0, frames[0][1])
@@ -465,10 +463,8 @@ async def test_replay_timeout_counts_and_clears(
 async def test_engine_restart_clears_then_follows_the_new_engine(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink)
     async with running(sub):
         await engine.subscribed()
         for seq, payload in frames[:10]:
@@ -491,10 +487,8 @@ async def test_engine_restart_clears_then_follows_the_new_engine(
 async def test_garbage_frames_are_counted_and_ingest_continues(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink)
     unknown = msgspec.msgpack.encode([1.0, [{"type": "BlockPinned", "block_hashes": [1]}], 0])
     async with running(sub):
         await engine.subscribed()
@@ -517,11 +511,9 @@ async def test_garbage_frames_are_counted_and_ingest_continues(
 async def test_garbage_replies_from_the_replay_endpoint(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
-    engine = FakeEngine(ctx, "tcp://127.0.0.1:*", bind=True)
-    ep = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-    engine.buffer.append((0, b"\xc1not msgpack"))  # served on replay only
     sink = Recorder()
-    sub = VllmEventSubscriber(ep, "e0", sink, replay_endpoint=engine.replay_endpoint, bind=False, ctx=ctx)
+    engine, sub = engine_with_subscriber(ctx, sink)
+    engine.buffer.append((0, b"\xc1not msgpack"))  # served on replay only
     async with running(sub):
         await engine.subscribed()
         await engine.publish(1, frames[0][1])
