@@ -31,6 +31,8 @@ from smetric_lmc.controller.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints cannot exceed 2^64-1
+# Vocabulary ids; the index keeps them as u32. An event carrying anything else is dropped alone.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 END_SEQ = (1 << 64) - 1
 MEDIUM_GPU = "GPU"
 
@@ -44,7 +46,7 @@ MEDIUM_GPU = "GPU"
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list[U64]
     parent_block_hash: U64 | None = None
-    token_ids: list[int] = []
+    token_ids: list[TokenId] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -132,7 +134,7 @@ def _fold_hash(value: Any) -> Any:
 def _decode_one(raw: msgspec.Raw) -> KVEvent:
     try:
         obj = _ANY_DECODER.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return DroppedEvent(reason="malformed")
     if isinstance(obj, list) and obj and isinstance(obj[0], str):
         cls = _KNOWN.get(obj[0])
@@ -153,7 +155,7 @@ def _decode_one(raw: msgspec.Raw) -> KVEvent:
         obj["parent_block_hash"] = _fold_hash(obj["parent_block_hash"])
     try:
         return msgspec.convert(obj, cls)
-    except (msgspec.ValidationError, TypeError):
+    except (msgspec.ValidationError, TypeError, RecursionError):
         return DroppedEvent(kind=kind, reason="malformed")
 
 
@@ -162,9 +164,17 @@ def decode_payload(payload: bytes) -> EventBatch:
 
     Fast path: one typed decode of the whole batch. If any event is of an unknown type,
     in the legacy array form, carries digest hashes or is malformed, the batch is decoded
-    event by event and each unusable event becomes a ``DroppedEvent``.
+    event by event and each unusable event becomes a ``DroppedEvent``. Each pass is linear in
+    the payload, and nesting beyond the interpreter's recursion limit is malformed, not a crash.
     Raises ``PayloadError`` when the envelope itself is not a batch.
     """
+    try:
+        return _decode_batch(payload)
+    except RecursionError:
+        raise PayloadError("nesting too deep") from None
+
+
+def _decode_batch(payload: bytes) -> EventBatch:
     try:
         return _MAP_DECODER.decode(payload)
     except msgspec.ValidationError:
@@ -220,8 +230,12 @@ def apply_batch(
     counts: dict[str, int] | None = None,
     *,
     group_idx: int | None = 0,
+    max_blocks_per_event: int | None = None,
 ) -> int:
     """Apply a decoded batch to ``sink`` in order; returns the number of block events applied.
+
+    A ``BlockStored`` of more than ``max_blocks_per_event`` blocks counts as malformed and is
+    skipped alone (the index then under-reports, never over-reports).
 
     Only GPU-medium events (``medium`` "GPU" or absent) are applied. For hybrid models with
     several KV cache groups only ``group_idx`` is tracked (the same block hash appears in
@@ -254,7 +268,9 @@ def apply_batch(
             skip = _untracked(ev, group_idx)
             if skip is not None:
                 untracked[skip] += 1
-            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size or (
+                max_blocks_per_event is not None and len(ev.block_hashes) > max_blocks_per_event
+            ):
                 # vLLM reports full blocks only; anything else would corrupt a re-hash.
                 malformed += 1
             elif ev.block_hashes:
@@ -315,6 +331,9 @@ class SubscriberStats:
     restarts: int = 0
     duplicates: int = 0
     decode_errors: int = 0
+    oversize_batches: int = 0
+    internal_errors: int = 0
+    replay_deadlines: int = 0
     bad_frames: int = 0
     other_topic: int = 0
     sink_errors: int = 0
@@ -350,8 +369,11 @@ class VllmEventSubscriber:
         bind: bool | None = None,
         group_idx: int | None = 0,
         replay_timeout_s: float = 1.0,
+        replay_deadline_s: float = 10.0,
         max_replay_batches: int = 200_000,
         max_message_bytes: int = 64 << 20,
+        max_events_per_batch: int = 65_536,
+        max_blocks_per_event: int = 65_536,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.instance_id = instance_id
@@ -361,7 +383,11 @@ class VllmEventSubscriber:
         self._group_idx = group_idx
         self._replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
+        self._replay_deadline_s = replay_deadline_s
         self._max_replay_batches = max_replay_batches
+        self._max_events = max_events_per_batch
+        self._max_blocks = max_blocks_per_event
+        self._last_error_log = 0.0
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._last_ts: float | None = None
         self._closing = False
@@ -405,9 +431,15 @@ class VllmEventSubscriber:
                     log.exception("vLLM events %s: receive failed", self.instance_id)
                     await asyncio.sleep(0.1)
                     continue
-                parsed = self._parse(frames)
-                if parsed is not None:
-                    await self._on_live(*parsed)
+                try:
+                    parsed = self._parse(frames)
+                    if parsed is not None:
+                        await self._on_live(*parsed)
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:
+                    # A bug or a frame nobody foresaw costs that frame, not the stream.
+                    self._internal_error()
         except asyncio.CancelledError:
             # close() cancels us mid-receive or mid-replay; that is a normal end.
             if not self._closing:
@@ -419,6 +451,14 @@ class VllmEventSubscriber:
         self._closing = True
         await cancel_and_wait(self._task)
         self._sub.close(linger=0)
+
+    def _internal_error(self) -> None:
+        self.stats.internal_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log > 10.0:  # a hostile peer must not flood the log
+            self._last_error_log = now
+            log.exception("vLLM events %s: frame handling failed (%d so far)", self.instance_id,
+                          self.stats.internal_errors)
 
     # -- frames ---------------------------------------------------------------
 
@@ -436,7 +476,14 @@ class VllmEventSubscriber:
         except PayloadError:
             self.stats.decode_errors += 1
             return None
-        return int.from_bytes(seq_bytes, "big"), batch
+        seq = int.from_bytes(seq_bytes, "big")
+        if len(batch.events) > self._max_events:
+            # Applying part of it would leave the mirror wrong; skipping it is a gap.
+            self.stats.oversize_batches += 1
+            log.warning("vLLM events %s: batch %d has %d events (limit %d); dropped",
+                        self.instance_id, seq, len(batch.events), self._max_events)
+            return None
+        return seq, batch
 
     # -- ordering -------------------------------------------------------------
 
@@ -477,7 +524,8 @@ class VllmEventSubscriber:
             )
             self._clear()
         try:
-            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx)
+            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx,
+                        max_blocks_per_event=self._max_blocks)
         except Exception:
             # The sink is our own index; a failure there must not kill ingest, but the
             # mirror is no longer trustworthy.
@@ -519,11 +567,20 @@ class VllmEventSubscriber:
         if "[" in self._replay_endpoint:
             dealer.setsockopt(zmq.IPV6, 1)
         out: list[tuple[int, EventBatch]] = []
+        # A total deadline: a peer trickling one batch just inside the per-batch timeout must
+        # not hold this engine's ingest (live batches queue meanwhile) for long.
+        deadline = time.monotonic() + self._replay_deadline_s
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while len(out) < self._max_replay_batches:
-                if not await dealer.poll(self._replay_timeout_ms, zmq.POLLIN):
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    self.stats.replay_deadlines += 1
+                    log.warning("vLLM events %s: replay from %d past its %.1fs deadline",
+                                self.instance_id, start, self._replay_deadline_s)
+                    return None
+                if not await dealer.poll(min(self._replay_timeout_ms, left_ms), zmq.POLLIN):
                     log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
                     return None
                 frames = await dealer.recv_multipart()

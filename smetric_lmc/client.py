@@ -31,6 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from smetric_lmc.curve import HandshakeWatch
 from smetric_lmc.hashing import FAST_ROOT, TokenIds, fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import (
     DoneAck,
@@ -51,7 +52,7 @@ from smetric_lmc.wire import (
     encode,
 )
 
-__all__ = ["AsyncRouteClient", "RouteClient", "RouteError", "RouteTimeout", "build_route_request"]
+__all__ = ["AsyncRouteClient", "RouteClient", "RouteError", "RouteRefused", "RouteTimeout", "build_route_request"]
 
 
 class RouteError(Exception):
@@ -68,6 +69,14 @@ class RouteTimeout(RouteError, TimeoutError):
 
     def __init__(self, message: str) -> None:
         super().__init__("timeout", message)
+
+
+class RouteRefused(RouteTimeout):
+    """The controller refused this client's security handshake (CURVE key unknown or missing)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = "refused"
 
 
 def build_route_request(
@@ -168,7 +177,20 @@ class _Base:
         # not be delivered (and counted as load) minutes later when the controller comes back.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         _curve_setup(sock, *self._curve)
+        self._close_watch()
+        self._watch: HandshakeWatch | None = HandshakeWatch(sock)
         sock.connect(self.url)
+
+    def _timeout(self, message: str) -> RouteTimeout:
+        """A timeout, or a refusal when the handshake failed (no reply will ever come)."""
+        watch = getattr(self, "_watch", None)
+        reason = watch.failure() if watch is not None else None
+        return RouteRefused(f"{self.url}: {reason}") if reason else RouteTimeout(message)
+
+    def _close_watch(self) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.close()
 
 
 class RouteClient(_Base):
@@ -189,6 +211,7 @@ class RouteClient(_Base):
         return self._sock
 
     def _reset(self) -> None:
+        self._close_watch()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -208,11 +231,11 @@ class RouteClient(_Base):
         timeout_ms = max(1, int(self.timeout_s * 1000))
         try:
             if not sock.poll(timeout_ms, zmq.POLLOUT):
-                raise RouteTimeout(f"controller at {self.url} not reachable within {self.timeout_s}s")
+                raise self._timeout(f"controller at {self.url} not reachable within {self.timeout_s}s")
             sock.send_multipart([corr, b"", encode(msg, json=self.json)], flags=zmq.NOBLOCK)
             while True:
                 if not sock.poll(timeout_ms, zmq.POLLIN):
-                    raise RouteTimeout(f"no reply from {self.url} within {self.timeout_s}s")
+                    raise self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
                 frames = sock.recv_multipart()
                 if len(frames) == 3 and frames[0] == corr and frames[1] == b"":
                     return _decode(frames[2])
@@ -292,11 +315,12 @@ class AsyncRouteClient(_Base):
             return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             self._pending.pop(corr, None)
+            error = self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
             if not self._pending:
                 # Nothing else in flight: drop the socket so anything still queued for the
                 # controller is discarded rather than delivered late.
                 await self._reset()
-            raise RouteTimeout(f"no reply from {self.url} within {self.timeout_s}s") from None
+            raise error from None
         except zmq.ZMQError as exc:
             self._pending.pop(corr, None)
             raise RouteError("transport", str(exc)) from exc
@@ -304,6 +328,7 @@ class AsyncRouteClient(_Base):
     async def _reset(self) -> None:
         reader, self._reader = self._reader, None
         sock, self._sock = self._sock, None
+        self._close_watch()
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

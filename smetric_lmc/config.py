@@ -97,6 +97,19 @@ class ServerConfig(_Cfg):
     metrics_port: int = 9600
     curve_secret_key: str | None = None  # Z85; enables ZMQ CURVE on the route socket
     curve_public_key: str | None = None
+    curve_client_keys: list[str] = []  # Z85 public keys allowed in; ["*"] = any key (encryption only)
+
+    def __post_init__(self) -> None:
+        if self.curve_secret_key or self.curve_public_key:
+            from smetric_lmc.curve import check_client_keys, check_keypair
+
+            check_keypair(self.curve_secret_key, self.curve_public_key)
+            if not self.curve_client_keys:
+                raise ValueError(
+                    "CURVE on: list the clients' public keys in curve_client_keys "
+                    "(or [\"*\"] to accept any key: encryption without authentication)"
+                )
+            check_client_keys(self.curve_client_keys)
 
 
 class LoadConfig(_Cfg):
@@ -104,6 +117,29 @@ class LoadConfig(_Cfg):
     metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
+
+
+class LimitsConfig(_Cfg):
+    """Bounds on what a peer may send; anything above is refused with a reason and counted."""
+
+    max_frame_bytes: int = 16 << 20  # route socket; 4x this is cut by the transport unanswered
+    max_prompt_tokens: int = 1 << 22  # token_ids length, prompt_tokens, est_hit_tokens
+    max_turn: int = 1_000_000
+    kv_max_frame_bytes: int = 64 << 20  # one vLLM KV-event message
+    kv_max_events_per_batch: int = 65_536
+    kv_max_blocks_per_event: int = 65_536  # a 1M-token prompt at block size 16
+    replay_frame_timeout_s: float = 1.0  # silence between two replayed batches
+    replay_deadline_s: float = 10.0  # whole replay, however fast the peer trickles
+    lmcache_max_frame_bytes: int = 16 << 20
+    lmcache_max_workers: int = 4096  # (lmcache instance, worker) pairs known at once
+    lmcache_max_sources_per_instance: int = 256  # (worker, location) sources feeding one instance
+    lmcache_worker_timeout_s: float = 300.0  # silent unmapped or heartbeating workers are forgotten
+    lmcache_max_sync_batches: int = 100_000  # full-sync batch_count (LMCache sends 2,000 keys each)
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 class Config(_Cfg):
@@ -116,6 +152,7 @@ class Config(_Cfg):
     lmcache: LMCacheConfig = msgspec.field(default_factory=LMCacheConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

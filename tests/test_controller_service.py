@@ -234,10 +234,13 @@ def test_bad_frames_get_error_replies(dealer: zmq.Socket, payload: bytes, code: 
 
 
 def test_error_reply_names_the_request_and_speaks_json(dealer: zmq.Socket) -> None:
-    raw = ask(dealer, b'{"type":"route","request_id":"bad-1","token_ids":[1],"turn":"two"}')
+    raw = ask(dealer, b'{"type":"route","request_id":"bad-1","token_ids":[1],"turn":-2}')
     reply = decode_reply(raw)
     assert raw[:1] == b"{" and isinstance(reply, ErrorReply)
     assert reply.code == "bad_request" and reply.request_id == "bad-1" and "turn" in reply.message
+    # A frame the schema rejects is not decoded a second time to find its request_id.
+    reply = decode_reply(ask(dealer, b'{"type":"route","request_id":"bad-2","token_ids":[1],"turn":"two"}'))
+    assert isinstance(reply, ErrorReply) and reply.request_id is None and "turn" in reply.message
 
 
 def test_oversize_frame_is_rejected_before_decoding() -> None:
