@@ -109,7 +109,7 @@ class ControllerApp:
         self.ctx = zmq.asyncio.Context()
         h = cfg.hashing
         self.index = TierIndex(h.block_size, h.lmcache_chunk_size, fast_root=fast_root(h.fast_namespace))
-        self.load = LoadTracker()
+        self.load = LoadTracker(expire_s=cfg.load.lost_done_grace_s or None)
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
         self.metrics = ControllerMetrics()
@@ -132,6 +132,7 @@ class ControllerApp:
             metrics=self.metrics,
             stats_fn=self._extra_stats,
             global_store_fn=self.global_store_state,
+            limits=cfg.limits,
         )
         srv = cfg.server
         self.service = RouteService(
@@ -139,6 +140,7 @@ class ControllerApp:
             srv.route_url,
             curve_secret_key=srv.curve_secret_key,
             curve_public_key=srv.curve_public_key,
+            curve_client_keys=srv.curve_client_keys or None,
             ctx=self.ctx,
         )
         self.sink = LiveSink(self.index, self._seen)
@@ -242,12 +244,15 @@ class ControllerApp:
         # A part that crashes is restarted: the controller must outlive any one peer's damage.
         backoff = 0.5
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 await run()
                 return
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if time.monotonic() - started > 30.0:  # it had recovered: a new crash starts over
+                    backoff = 0.5
                 log.exception("controller: part crashed part=%s restart_in_s=%.1f", name, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -260,6 +265,7 @@ class ControllerApp:
             if any(i.kv_events for i in self.cfg.instances):
                 log.error("vLLM KV events unavailable (%s): routing without the GPU tier", exc)
             return
+        lim = self.cfg.limits
         for inst in self.cfg.instances:
             if not inst.kv_events:
                 continue
@@ -271,6 +277,11 @@ class ControllerApp:
                     topic=inst.kv_events_topic,
                     replay_endpoint=inst.replay,
                     bind=inst.kv_events_bind,
+                    replay_timeout_s=lim.replay_frame_timeout_s,
+                    replay_deadline_s=lim.replay_deadline_s,
+                    max_message_bytes=lim.kv_max_frame_bytes,
+                    max_events_per_batch=lim.kv_max_events_per_batch,
+                    max_blocks_per_event=lim.kv_max_blocks_per_event,
                     ctx=self.ctx,
                 )
             except zmq.ZMQError as exc:
@@ -290,6 +301,7 @@ class ControllerApp:
             log.error("LMCache worker server unavailable (%s): routing without the LMCache tier", exc)
             return
         ids = {(i.lmcache_instance_id or i.id): i.id for i in self.cfg.instances}
+        lim = self.cfg.limits
         server = LMCacheWorkerServer(
             self.sink,
             pull_url=lc.pull_url,
@@ -298,6 +310,11 @@ class ControllerApp:
             upstream_pull_url=lc.upstream_pull_url,
             upstream_reply_url=lc.upstream_reply_url,
             resolve_instance=lambda lmcache_id, _worker_id: ids.get(lmcache_id),
+            max_frame_bytes=lim.lmcache_max_frame_bytes,
+            max_workers=lim.lmcache_max_workers,
+            max_sources_per_instance=lim.lmcache_max_sources_per_instance,
+            worker_timeout_s=lim.lmcache_worker_timeout_s,
+            max_sync_batches=lim.lmcache_max_sync_batches,
         )
         await server.start()
         self.lmcache_server = server
@@ -462,7 +479,7 @@ class ControllerApp:
             "uptime_s": round(now - self._started, 3) if self._started else 0.0,
             "pd_mode": self.cfg.pd_mode,
             "global_store": self.global_store_state(),
-            "route_socket": dict(self.service.counters),
+            "route_socket": {**self.service.counters, **self.service.curve_counts},
             "reloads": dict(self.reloads),
             "liveness": {
                 iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3)}

@@ -10,6 +10,7 @@ it holds are released, oldest first. Requests that other routers sent to an engi
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
@@ -23,13 +24,18 @@ class _InFlight:
 
 
 class LoadTracker:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    """``expire_s``: an entry never reported done is released after this long (counted as
+    ``expired``), so a gateway that died cannot grow the in-flight set without bound."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, expire_s: float | None = None) -> None:
         self._clock = clock
+        self._expire_s = expire_s
+        self._by_age: deque[tuple[str, _InFlight]] = deque()  # routing order = age order
         self._requests: dict[str, _InFlight] = {}
         self._count: dict[str, int] = {}
         self._unprefilled: dict[str, int] = {}
         self._external: dict[str, int] = {}
-        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0}
+        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0, "expired": 0}
 
     def add_instance(self, instance_id: str) -> None:
         self._count.setdefault(instance_id, 0)
@@ -49,7 +55,10 @@ class LoadTracker:
             self._release(request_id)
         self.add_instance(instance_id)
         todo = max(0, prompt_tokens - hit_tokens)
-        self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        entry = self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        if self._expire_s is not None:
+            self.expire()
+            self._by_age.append((request_id, entry))
         self._count[instance_id] += 1
         self._unprefilled[instance_id] += todo
         self.stats["routed"] += 1
@@ -76,6 +85,20 @@ class LoadTracker:
         self._count[entry.instance] -= 1
         self._unprefilled[entry.instance] -= entry.unprefilled
         return True
+
+    def expire(self) -> int:
+        """Release entries older than ``expire_s``; O(1) amortized (each route is queued once)."""
+        if self._expire_s is None:
+            return 0
+        cutoff = self._clock() - self._expire_s
+        q, n = self._by_age, 0
+        while q and q[0][1].since < cutoff:
+            rid, entry = q.popleft()
+            if self._requests.get(rid) is entry:  # not done, not re-routed since
+                self._release(rid)
+                n += 1
+        self.stats["expired"] += n
+        return n
 
     def reconcile(self, instance_id: str, engine_requests: int, grace_s: float = 30.0) -> int:
         """Align with the engine's running+waiting count. Returns entries released as lost."""

@@ -181,12 +181,28 @@ class InstanceSpec:
         return f"http://{self.host}:{self.http_port}"
 
     @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def kv_events_bind(self) -> str:
+        """What vLLM binds its KV-event PUB to. They carry prompt token ids: on a loopback
+        stack a Unix socket (only this user can connect); otherwise vLLM's only binding form
+        is a wildcard, all interfaces (see the README on multi-node deployments)."""
+        if self.loopback:
+            return f"ipc://{tempfile.gettempdir()}/smetric-kv-{self.kv_events_port}"
+        return f"tcp://*:{self.kv_events_port}"
+
+    @property
     def kv_events_connect(self) -> str:
-        """Endpoint a subscriber connects to (the engine binds all interfaces)."""
+        """Endpoint a subscriber connects to."""
+        if self.loopback:
+            return self.kv_events_bind
         return f"tcp://{self.host}:{self.kv_events_port}"
 
     @property
     def replay_connect(self) -> str:
+        """vLLM binds the replay ROUTER to exactly this address (the host's interface only)."""
         return f"tcp://{self.host}:{self.replay_port}"
 
 
@@ -198,12 +214,13 @@ class WorkerLaunch:
 
 
 def kv_events_config(spec: InstanceSpec) -> dict[str, Any]:
-    # vLLM binds only when the endpoint has "*" (or "::"/ipc); with a plain host it connects.
+    # vLLM binds the PUB only when the endpoint has "*" (or "::"/ipc); with a plain host it
+    # connects. The replay ROUTER is always bound, to the address given.
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{spec.kv_events_port}",
-        "replay_endpoint": f"tcp://*:{spec.replay_port}",
+        "endpoint": spec.kv_events_bind,
+        "replay_endpoint": spec.replay_connect,
         "topic": spec.kv_events_topic,
     }
 
