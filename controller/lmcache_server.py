@@ -161,6 +161,7 @@ class LMCacheWorkerServer:
         self._endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._workers: dict[tuple[str, int], _Worker] = {}
+        self._counts: dict[str | None, int] = {}  # workers per instance id (None: unmapped)
         self._holdings: dict[str, Holdings] = {}
         self._stats: dict[str, int] = dict.fromkeys(
             (
@@ -375,30 +376,46 @@ class LMCacheWorkerServer:
     # ---- worker registry ----
 
     def _worker(self, lmc_id: str, worker_id: int, *, create: bool = True) -> _Worker | None:
-        """The known worker (created if ``create``); None when unknown or the registry is full."""
+        """The known worker (created if ``create``); None when unknown or its share is full.
+
+        Workers of a configured instance are capped per instance, unmapped ones (ids nothing
+        resolves) all together, so ghosts cannot lock out the real workers.
+        """
         key = (lmc_id, worker_id)
         w = self._workers.get(key)
         if w is None and create:
-            if len(self._workers) >= self._max_workers:
-                # Full: forget the silent ones (at most once a second: a sweep is O(workers)).
-                if time.monotonic() - self._last_sweep >= 1.0:
-                    self.sweep()
-                if len(self._workers) >= self._max_workers:
-                    self._stats["workers_refused"] += 1
-                    log.debug("LMCache worker %s/%s refused: %d workers known", lmc_id, worker_id,
-                              len(self._workers))
-                    return None
-            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id)
+            iid = self._resolve_id(lmc_id, worker_id)
+            cap = self._max_workers if iid is None else self._max_sources
+            if self._counts.get(iid, 0) >= cap and time.monotonic() - self._last_sweep >= 1.0:
+                self.sweep()  # full: forget the silent ones (at most once a second, O(workers))
+            if self._counts.get(iid, 0) >= cap:
+                self._stats["workers_refused"] += 1
+                log.debug("LMCache worker %s/%s refused: %d known for instance %s", lmc_id, worker_id,
+                          self._counts.get(iid, 0), iid)
+                return None
+            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id, instance_id=iid)
+            self._counts[iid] = self._counts.get(iid, 0) + 1
         if w is not None:
             w.last_seen = time.time()
-            if w.instance_id is None:
-                try:
-                    w.instance_id = self._resolve(lmc_id, worker_id)
-                except Exception:
-                    self._stats["internal_errors"] += 1
-                    log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
             if w.instance_id is not None:
                 self._sink.lmcache_worker_seen(w.instance_id)
+        return w
+
+    def _resolve_id(self, lmc_id: str, worker_id: int) -> str | None:
+        try:
+            return self._resolve(lmc_id, worker_id)
+        except Exception:
+            self._stats["internal_errors"] += 1
+            log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
+            return None
+
+    def _forget(self, key: tuple[str, int]) -> _Worker | None:
+        w = self._workers.pop(key, None)
+        if w is not None:
+            self._counts[w.instance_id] -= 1
+            self._clear_sources(w, None)
+            if self._upstream is not None:
+                self._upstream.drop_worker(key)
         return w
 
     def _set_addr(self, w: _Worker, msg: P.RegisterMsg | P.HeartbeatMsg) -> None:
@@ -424,12 +441,7 @@ class LMCacheWorkerServer:
 
     def _on_deregister(self, msg: P.DeRegisterMsg) -> None:
         self._stats["deregisters"] += 1
-        w = self._workers.pop((msg.instance_id, msg.worker_id), None)
-        if w is None:
-            return
-        self._clear_sources(w, None)
-        if self._upstream is not None:
-            self._upstream.drop_worker((msg.instance_id, msg.worker_id))
+        self._forget((msg.instance_id, msg.worker_id))
 
     def _on_heartbeat(self, msg: P.HeartbeatMsg) -> P.HeartbeatRetMsg | P.ErrorMsg:
         self._stats["heartbeats"] += 1
@@ -469,10 +481,7 @@ class LMCacheWorkerServer:
         cutoff = time.time() - self._worker_timeout
         gone = [w for w in self._workers.values() if self._expired(w, cutoff)]
         for w in gone:
-            del self._workers[(w.lmc_id, w.worker_id)]
-            self._clear_sources(w, None)
-            if self._upstream is not None:
-                self._upstream.drop_worker((w.lmc_id, w.worker_id))
+            self._forget((w.lmc_id, w.worker_id))
             log.info("LMCache worker %s/%d silent for %.0fs: forgotten", w.lmc_id, w.worker_id,
                      self._worker_timeout)
         self._stats["workers_expired"] += len(gone)

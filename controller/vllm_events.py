@@ -575,13 +575,14 @@ class VllmEventSubscriber:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while len(out) < self._max_replay_batches:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0:
-                    self.stats.replay_deadlines += 1
-                    log.warning("vLLM events %s: replay from %d past its %.1fs deadline",
-                                self.instance_id, start, self._replay_deadline_s)
-                    return None
-                if not await dealer.poll(min(self._replay_timeout_ms, left_ms), zmq.POLLIN):
-                    log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
+                wait_ms = max(0, min(self._replay_timeout_ms, left_ms))
+                if left_ms <= 0 or not await dealer.poll(wait_ms, zmq.POLLIN):
+                    if wait_ms < self._replay_timeout_ms:
+                        self.stats.replay_deadlines += 1
+                        log.warning("vLLM events %s: replay from %d past its %.1fs deadline",
+                                    self.instance_id, start, self._replay_deadline_s)
+                    else:
+                        log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
                     return None
                 frames = await dealer.recv_multipart()
                 if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ.to_bytes(8, "big"):

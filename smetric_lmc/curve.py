@@ -9,6 +9,7 @@ socket monitor so the client can say "refused" instead of timing out without a r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -136,8 +137,6 @@ class HandshakeWatch:
         return handshake_failure(self._monitor)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
         self._monitor.close(linger=0)
