@@ -403,6 +403,26 @@ def test_curve_on_and_off() -> None:
         assert c2.health().routable_instances == 2
 
 
+def test_curve_allow_list_refuses_unknown_clients_clearly() -> None:
+    from smetric_lmc.client import RouteClient, RouteRefused
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())
+    core = make_core()
+    with ServiceThread(core, curve_secret_key=secret, curve_public_key=public, curve_client_keys=[known_pub]) as st:
+        with RouteClient(st.endpoint, curve_server_key=public, curve_public_key=known_pub,
+                         curve_secret_key=known_sec, timeout_s=3.0) as c:
+            assert c.health().ok
+        # A self-made keypair is encrypted fine but not on the list: refused, and the client says so.
+        with RouteClient(st.endpoint, curve_server_key=public, timeout_s=1.0) as stranger, \
+                pytest.raises(RouteRefused, match="refused"):
+            stranger.health()
+        with RouteClient(st.endpoint, timeout_s=1.0) as plain, pytest.raises(RouteRefused, match="CURVE"):
+            plain.health()
+        assert st.service is not None and st.service.curve_counts["curve_refused"] >= 1
+    assert core.counters["health"] == 1
+
+
 def test_curve_needs_both_keys() -> None:
     _, secret = (k.decode() for k in zmq.curve_keypair())
     with pytest.raises(ValueError, match="CURVE"):
