@@ -30,6 +30,10 @@ LATENCY_BUCKETS_S: tuple[float, ...] = tuple(
     us * 1e-6 for us in (10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2500, 5000, 10000, 50000)
 )
 
+#: vLLM's KV event types (``smetric_kv_events_total{kind}``).
+KV_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_BLOCK_OPS = {"blocks_stored": "stored", "blocks_removed": "removed"}
+
 _FALLBACK_KIND = {
     Reason.OVERLOADED: "overloaded",
     Reason.EVICTED: "evicted",
@@ -62,8 +66,8 @@ class ControllerMetrics:
         self.prompt_tokens = Counter("smetric_route_prompt_tokens", "Prompt tokens of routed requests", registry=r)
         self.fallbacks = Counter(
             "smetric_route_fallbacks",
-            "Requests not routed by the cache rule: overloaded / evicted fallbacks, degraded "
-            "(index empty since start: load balance), no_instances",
+            "Requests not routed by the cache rule: overloaded / evicted fallbacks, index_not_ready "
+            "(no KV data indexed since start: load balance), no_instances",
             ["kind"],
             registry=r,
         )
@@ -100,7 +104,7 @@ class ControllerMetrics:
         if kind is not None:
             self.fallbacks.labels(kind=kind).inc()
         if degraded:
-            self.fallbacks.labels(kind="degraded").inc()
+            self.fallbacks.labels(kind="index_not_ready").inc()
         self._observe_latency(latency_s)
 
     def observe_error(self, code: str) -> None:
@@ -221,7 +225,11 @@ def _instance_families(rows: list[InstanceState]) -> Iterable[Metric]:
 
 
 def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
-    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events applied, by kind", labels=["instance", "kind"])
+    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events received, by event type", labels=["instance", "kind"])
+    blocks = CounterMetricFamily("smetric_kv_event_blocks", "Blocks applied to the index from vLLM KV events",
+                                 labels=["instance", "op"])
+    skipped = CounterMetricFamily("smetric_kv_events_skipped", "vLLM KV events not applied, by reason",
+                                  labels=["instance", "reason"])
     batches = CounterMetricFamily("smetric_kv_event_batches", "vLLM KV event batches applied", labels=["instance"])
     gaps = CounterMetricFamily("smetric_kv_event_gaps", "Sequence gaps seen", labels=["instance"])
     replays = CounterMetricFamily("smetric_kv_event_replays", "Replay requests", labels=["instance", "result"])
@@ -230,8 +238,15 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
     bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["instance", "kind"])
     lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["instance"])
     for s in subs:
-        for kind, n in s.events.items():
-            events.add_metric([s.instance, kind], float(n))
+        for key, n in s.events.items():
+            # The subscriber tallies event types, block counts and skip reasons in one dict; each
+            # goes to its own family so that no sum over a label mixes events with blocks.
+            if key in _BLOCK_OPS:
+                blocks.add_metric([s.instance, _BLOCK_OPS[key]], float(n))
+            elif key in KV_EVENT_TYPES:
+                events.add_metric([s.instance, key], float(n))
+            else:
+                skipped.add_metric([s.instance, key], float(n))
         batches.add_metric([s.instance], float(s.batches))
         gaps.add_metric([s.instance], float(s.gaps))
         replays.add_metric([s.instance, "requested"], float(s.replays))
@@ -242,7 +257,7 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
         bad.add_metric([s.instance, "framing"], float(s.bad_frames))
         if s.lag_s is not None:
             lag.add_metric([s.instance], s.lag_s)
-    return [events, batches, gaps, replays, lost, restarts, bad, lag]
+    return [events, blocks, skipped, batches, gaps, replays, lost, restarts, bad, lag]
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------

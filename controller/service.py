@@ -233,6 +233,7 @@ class RouteCore:
             turn=routed.turn,
             prompt_tokens=routed.prompt_tokens,
             load=routed.load,
+            index_ready=ready,
         )
         return decision, routed
 

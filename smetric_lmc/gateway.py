@@ -35,6 +35,7 @@ from aiohttp import web
 
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
 from smetric_lmc.config import Config, ConfigError, InstanceConfig, load_config
+from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
 from smetric_lmc.gateway_prompt import (
     BadRequest,
     Kind,
@@ -70,6 +71,7 @@ class Target:
     turn: int | None = None
     prompt_tokens: int = 0
     fallback: str | None = None  # why the controller's decision was not used
+    index_ready: bool | None = None  # the controller's; False: routed by load balance while its index fills
 
 
 @dataclass(slots=True)
@@ -127,6 +129,7 @@ class Gateway:
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
         }
+        self.metrics = GatewayMetrics()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -135,6 +138,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self.metrics.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -179,10 +183,15 @@ class Gateway:
 
     # ---- handlers -------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "chat", "/v1/chat/completions")
+        return await self._observed(request, "chat", "/v1/chat/completions")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "completion", "/v1/completions")
+        return await self._observed(request, "completion", "/v1/completions")
+
+    async def _observed(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
+        resp = await self._proxy(request, kind, path)
+        self.metrics.observe_response(resp)
+        return resp
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         assert self._http is not None
@@ -228,6 +237,7 @@ class Gateway:
         except UpstreamFailed as first:
             self.counters["retries"] += 1
             failed = target.instance_id
+            self.metrics.observe_retry(failed)
             second_target = await self._retry_target(rid, info, failed)
             if second_target is None:
                 self.counters["bad_gateway"] += 1
@@ -249,6 +259,7 @@ class Gateway:
         return asyncio.get_running_loop().time() >= self._controller_down_until
 
     def _mark_controller(self, up: bool, why: str = "") -> None:
+        self.metrics.controller_up.set(1 if up else 0)
         if up:
             if self._controller_down:
                 log.info("gateway: controller back at %s: routing with it again", self.controller_url)
@@ -274,18 +285,24 @@ class Gateway:
                 kw.update(lmcache_chunk_size=self.chunk_size, lmcache_root=h.lmcache_root, lmcache_hash=h.lmcache_hash)
         else:  # no tokenizer answered: route on load alone
             kw.update(hashes=[HashChain("fast", self.block_size, [])], prompt_tokens=info.approx_tokens)
+        t0 = time.perf_counter()
         try:
             d = await self._client.route(route_id, model=self.cfg.model, **kw)
         except RouteTimeout as exc:
+            self.metrics.observe_route_rtt(time.perf_counter() - t0, "timeout")
             self._mark_controller(False, str(exc))
             return "controller_unavailable"
         except RouteError as exc:
+            self.metrics.observe_route_rtt(time.perf_counter() - t0, "error")
             if exc.code == "transport":
                 self._mark_controller(False, str(exc))
                 return "controller_unavailable"
             log.error("gateway: controller refused route request=%s: %s", route_id, exc)
             return f"controller_error:{exc.code}"
+        self.metrics.observe_route_rtt(time.perf_counter() - t0, "ok")
         self._mark_controller(True)
+        if not d.index_ready:
+            self.metrics.index_not_ready.inc()
         if d.instance_id is None or not d.endpoint:
             log.warning("gateway: controller has no routable instance (reason=%s)", d.reason.value)
             return "controller_no_instance"
@@ -297,11 +314,13 @@ class Gateway:
             if d.instance_id != exclude:
                 self.counters["routed"] += 1
                 return Target(d.instance_id or "", d.endpoint or "", d.reason.value, rid, d.policy,
-                              d.local_hit_tokens, d.est_hit_tokens, d.turn, d.prompt_tokens)
+                              d.local_hit_tokens, d.est_hit_tokens, d.turn, d.prompt_tokens,
+                              index_ready=d.index_ready)
             # The controller still prefers the instance that just failed: release and go elsewhere.
             self._report_failed_route(rid, d.instance_id)
             d = "controller_chose_failed_instance"
         self.counters["fallback_routes"] += 1
+        self.metrics.observe_fallback(d)
         inst = next(iter(self._order_from(exclude)), None) if exclude else self._round_robin()
         assert inst is not None
         n = len(info.token_ids) if info.token_ids is not None else info.approx_tokens
@@ -332,6 +351,7 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._http is not None
         att = Attempt(target)
+        self.metrics.attempt_started(target.instance_id)
         url = target.endpoint.rstrip("/") + path
         resp: web.StreamResponse | None = None
         try:
@@ -361,6 +381,7 @@ class Gateway:
         except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
             if resp is not None and resp.prepared and _client_gone(request):
                 self.counters["client_disconnects"] += 1
+                self.metrics.client_disconnects.inc()
                 att.error = "client disconnected"
                 log.info("gateway: client went away request=%s instance=%s", rid, target.instance_id)
                 return resp
@@ -374,6 +395,7 @@ class Gateway:
 
     def _upstream_failed(self, att: Attempt) -> None:
         self.counters["upstream_failures"] += 1
+        self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=False)
         log.warning("gateway: instance=%s failed before responding: %s", att.target.instance_id, att.error)
 
     def _broken(self, request: web.Request, resp: web.StreamResponse | None, att: Attempt) -> web.StreamResponse:
@@ -383,6 +405,7 @@ class Gateway:
         # Bytes already reached the client: the request cannot be replayed. Abort the connection so
         # the client sees a truncated response instead of a silently short one.
         self.counters["upstream_failures"] += 1
+        self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=True)
         log.error("gateway: instance=%s failed mid-response: %s; aborting the client connection",
                   att.target.instance_id, att.error)
         if request.transport is not None:
@@ -394,11 +417,14 @@ class Gateway:
         now = time.monotonic()
         log.debug("gateway: request=%s instance=%s reason=%s status=%s ok=%s e2e_s=%.3f", t.route_id,
                   t.instance_id, t.reason, att.status, att.ok, now - att.started)
-        if t.route_id is None:  # not counted by the controller: nothing to release
-            return
         s = att.sniffer
         prompt = (s.prompt_tokens() if s else None) or t.prompt_tokens or (
             len(info.token_ids) if info.token_ids is not None else info.approx_tokens)
+        self.metrics.observe_attempt(AttemptRecord(
+            t.instance_id, att.ok, bool(s and s.sse), att.started, now, att.first_byte, prompt,
+            s.output_tokens() if s else 0, t.est_hit_tokens, t.local_hit_tokens, s.cached_tokens() if s else None))
+        if t.route_id is None:  # not counted by the controller: nothing to release
+            return
         self._spawn(self._send_done(
             t.route_id, instance_id=t.instance_id, prompt_tokens=prompt,
             output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
@@ -410,7 +436,9 @@ class Gateway:
         try:
             await self._client.done(route_id, **kw)
             self.counters["done_reports"] += 1
+            self.metrics.observe_done(True)
         except RouteError as exc:
+            self.metrics.observe_done(False)
             # Lost done reports are healed by the controller from engine metrics; log and move on.
             self.counters["done_failures"] += 1
             log.warning("gateway: done report for %s not delivered: %s", route_id, exc)
@@ -450,6 +478,8 @@ def _decision_headers(t: Target, rid: str, retried_from: str | None) -> dict[str
     }
     if t.fallback:
         h["X-SMetric-Fallback"] = t.fallback
+    if t.index_ready is not None:
+        h["X-SMetric-Index-Ready"] = "true" if t.index_ready else "false"
     if retried_from:
         h["X-SMetric-Retried-From"] = retried_from
     return h

@@ -99,6 +99,7 @@ class RouteDecision(_Msg, tag="decision"):
     turn: int = 0
     prompt_tokens: int = 0
     load: float = 0.0
+    index_ready: bool = True  # False: no KV data indexed yet, so the decision was a load-balance pick
     version: int = WIRE_VERSION
 
 
