@@ -4,6 +4,10 @@ Counters that the route path updates live in ``ControllerMetrics`` (its own regi
 and several controllers in one process never collide). Everything that already exists as state
 elsewhere (per-instance load, event-subscriber stats, index sizes) is read at scrape time by a
 collector instead of being copied on every event.
+
+Names share one scheme with the gateway's (``smetric_lmc/gateway_metrics.py``): ``smetric_``
+prefix, counters ``_total``, seconds and tokens as units. The serving instance is the label
+``backend``: ``instance`` is the label Prometheus itself attaches to every scraped series.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class ControllerMetrics:
         self._best = self.funnel.labels(stage="best_local")
         self._chosen = self.funnel.labels(stage="chosen_local")
         self._observe_latency = self.latency.observe
+        # Fallback series exist (at 0) from the start: "no fallbacks" reads 0, not "no data".
+        for kind in (*_FALLBACK_KIND.values(), "index_not_ready"):
+            self.fallbacks.labels(kind=kind)
 
     def observe_route(self, routed: Routed, latency_s: float, *, degraded: bool = False) -> None:
         key = (routed.policy, routed.reason.value)
@@ -204,13 +211,13 @@ class StateCollector(Collector):
 
 
 def _instance_families(rows: list[InstanceState]) -> Iterable[Metric]:
-    routable = GaugeMetricFamily("smetric_instance_routable", "1 while the instance takes requests", labels=["instance"])
-    in_flight = GaugeMetricFamily("smetric_instance_in_flight", "In-flight requests (ours + external)", labels=["instance"])
-    unpre = GaugeMetricFamily("smetric_instance_unprefilled_tokens", "Routed prompt tokens not yet prefilled", labels=["instance"])
-    seen = GaugeMetricFamily("smetric_instance_seconds_since_seen", "Seconds since the last sign of life", labels=["instance"])
-    ok = GaugeMetricFamily("smetric_instance_engine_metrics_ok", "1 if the last engine /metrics poll succeeded", labels=["instance"])
-    fails = CounterMetricFamily("smetric_instance_engine_poll_failures", "Failed engine /metrics polls", labels=["instance"])
-    healed = CounterMetricFamily("smetric_instance_healed_done", "In-flight entries released by engine metrics", labels=["instance"])
+    routable = GaugeMetricFamily("smetric_instance_routable", "1 while the instance takes requests", labels=["backend"])
+    in_flight = GaugeMetricFamily("smetric_instance_in_flight", "In-flight requests (ours + external)", labels=["backend"])
+    unpre = GaugeMetricFamily("smetric_instance_unprefilled_tokens", "Routed prompt tokens not yet prefilled", labels=["backend"])
+    seen = GaugeMetricFamily("smetric_instance_seconds_since_seen", "Seconds since the last sign of life", labels=["backend"])
+    ok = GaugeMetricFamily("smetric_instance_engine_metrics_ok", "1 if the last engine /metrics poll succeeded", labels=["backend"])
+    fails = CounterMetricFamily("smetric_instance_engine_poll_failures", "Failed engine /metrics polls", labels=["backend"])
+    healed = CounterMetricFamily("smetric_instance_healed_done", "In-flight entries released by engine metrics", labels=["backend"])
     for r in rows:
         routable.add_metric([r.id], 1.0 if r.routable else 0.0)
         in_flight.add_metric([r.id], float(r.in_flight))
@@ -225,18 +232,18 @@ def _instance_families(rows: list[InstanceState]) -> Iterable[Metric]:
 
 
 def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
-    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events received, by event type", labels=["instance", "kind"])
+    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events received, by event type", labels=["backend", "kind"])
     blocks = CounterMetricFamily("smetric_kv_event_blocks", "Blocks applied to the index from vLLM KV events",
-                                 labels=["instance", "op"])
+                                 labels=["backend", "op"])
     skipped = CounterMetricFamily("smetric_kv_events_skipped", "vLLM KV events not applied, by reason",
-                                  labels=["instance", "reason"])
-    batches = CounterMetricFamily("smetric_kv_event_batches", "vLLM KV event batches applied", labels=["instance"])
-    gaps = CounterMetricFamily("smetric_kv_event_gaps", "Sequence gaps seen", labels=["instance"])
-    replays = CounterMetricFamily("smetric_kv_event_replays", "Replay requests", labels=["instance", "result"])
-    lost = CounterMetricFamily("smetric_kv_event_unfilled_gaps", "Gaps replay could not fill (instance cleared)", labels=["instance"])
-    restarts = CounterMetricFamily("smetric_kv_event_restarts", "Engine restarts detected", labels=["instance"])
-    bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["instance", "kind"])
-    lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["instance"])
+                                  labels=["backend", "reason"])
+    batches = CounterMetricFamily("smetric_kv_event_batches", "vLLM KV event batches applied", labels=["backend"])
+    gaps = CounterMetricFamily("smetric_kv_event_gaps", "Sequence gaps seen", labels=["backend"])
+    replays = CounterMetricFamily("smetric_kv_event_replays", "Replay requests", labels=["backend", "result"])
+    lost = CounterMetricFamily("smetric_kv_event_unfilled_gaps", "Gaps replay could not fill (instance cleared)", labels=["backend"])
+    restarts = CounterMetricFamily("smetric_kv_event_restarts", "Engine restarts detected", labels=["backend"])
+    bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["backend", "kind"])
+    lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["backend"])
     for s in subs:
         for key, n in s.events.items():
             # The subscriber tallies event types, block counts and skip reasons in one dict; each

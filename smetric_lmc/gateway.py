@@ -129,7 +129,7 @@ class Gateway:
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
         }
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(list(self._by_id))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:

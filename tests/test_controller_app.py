@@ -230,10 +230,10 @@ async def test_recorded_vllm_events_drive_the_route_decision(running: Callable[.
                 health = await r.json()
                 status = r.status
         assert 'smetric_route_decisions_total{policy="smetric",reason="sticky"} 2.0' in text
-        assert 'smetric_kv_event_blocks_total{instance="a",op="stored"} 147.0' in text
-        assert 'smetric_kv_events_total{instance="a",kind="AllBlocksCleared"} 1.0' in text
+        assert 'smetric_kv_event_blocks_total{backend="a",op="stored"} 147.0' in text
+        assert 'smetric_kv_events_total{backend="a",kind="AllBlocksCleared"} 1.0' in text
         assert 'kind="blocks_stored"' not in text  # blocks have their own family
-        assert 'smetric_kv_event_gaps_total{instance="a"} 1.0' in text
+        assert 'smetric_kv_event_gaps_total{backend="a"} 1.0' in text
         assert 'smetric_route_fallbacks_total{kind="index_not_ready"} 1.0' in text
         assert 'smetric_route_hit_tokens_total{tier="local_chosen"} 352.0' in text
         assert "smetric_route_latency_seconds_bucket" in text

@@ -35,16 +35,16 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     await s.wait_dones(1)
     m = await _metrics(s)
     assert m.value("smetric_gateway_index_not_ready_routes_total") == 1
-    assert m.value("smetric_gateway_requests_total", instance=first, status="200") == 1
+    assert m.value("smetric_gateway_requests_total", backend=first, status="200") == 1
     assert m.value("smetric_gateway_route_rtt_seconds_count", outcome="ok") == 1
     assert 0 < m.value("smetric_gateway_route_rtt_seconds_sum") < 0.3  # within the route timeout
-    assert m.value("smetric_gateway_request_duration_seconds_count", instance=first) == 1
+    assert m.value("smetric_gateway_request_duration_seconds_count", backend=first) == 1
     # A JSON answer has no first token to time: no TTFT for it.
     assert m.value("smetric_gateway_ttft_seconds_count") == 0
     n0 = len(tokens_of(render(MSGS, True)))
-    assert m.value("smetric_gateway_cache_funnel_tokens_total", instance=first, stage="prompt") == n0
-    assert m.value("smetric_gateway_cache_funnel_tokens_total", instance=first, stage="predicted_local") == 0
-    assert m.value("smetric_gateway_cache_funnel_tokens_total", instance=first, stage="engine_cached") == 32
+    assert m.value("smetric_gateway_cache_funnel_tokens_total", backend=first, stage="prompt") == n0
+    assert m.value("smetric_gateway_cache_funnel_tokens_total", backend=first, stage="predicted_local") == 0
+    assert m.value("smetric_gateway_cache_funnel_tokens_total", backend=first, stage="engine_cached") == 32
 
     # 2. KV events (here: the index fed directly) say e1 holds the history: the follow-up sticks,
     # and the controller's predicted hit lands next to what the engine reported.
@@ -58,12 +58,12 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     await s.wait_dones(2)
     m2 = await _metrics(s)
     funnel = "smetric_gateway_cache_funnel_tokens_total"
-    assert m2.value(funnel, instance="e1", stage="predicted_local") == predicted
-    assert m2.value(funnel, instance="e1", stage="est_hit") == predicted
+    assert m2.value(funnel, backend="e1", stage="predicted_local") == predicted
+    assert m2.value(funnel, backend="e1", stage="est_hit") == predicted
     # The engine said 32 cached, the controller predicted more: the loss the funnel is there to show.
-    assert m2.value(funnel, instance="e1", stage="engine_cached") - m.value(funnel, instance="e1",
+    assert m2.value(funnel, backend="e1", stage="engine_cached") - m.value(funnel, backend="e1",
                                                                             stage="engine_cached") == 32
-    assert m2.value("smetric_gateway_requests_total", instance="e1", reason="sticky", status="200") == 1
+    assert m2.value("smetric_gateway_requests_total", backend="e1", reason="sticky", status="200") == 1
     assert m2.value("smetric_gateway_index_not_ready_routes_total") == 1  # unchanged: ready now
 
     # 3. A stream: TTFT and TPOT (2 output tokens -> one inter-token interval) are timed.
@@ -72,14 +72,14 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     inst = resp.headers["X-SMetric-Instance"]
     await s.wait_dones(3)
     m3 = await _metrics(s)
-    assert m3.value("smetric_gateway_ttft_seconds_count", instance=inst) == 1
-    assert m3.value("smetric_gateway_tpot_seconds_count", instance=inst) == 1
-    ttft = m3.value("smetric_gateway_ttft_seconds_sum", instance=inst)
-    duration = m3.value("smetric_gateway_request_duration_seconds_sum", instance=inst) - m2.value(
-        "smetric_gateway_request_duration_seconds_sum", instance=inst)
+    assert m3.value("smetric_gateway_ttft_seconds_count", backend=inst) == 1
+    assert m3.value("smetric_gateway_tpot_seconds_count", backend=inst) == 1
+    ttft = m3.value("smetric_gateway_ttft_seconds_sum", backend=inst)
+    duration = m3.value("smetric_gateway_request_duration_seconds_sum", backend=inst) - m2.value(
+        "smetric_gateway_request_duration_seconds_sum", backend=inst)
     assert 0 < ttft < duration  # the stream's writes are spread over ~10 ms after the first event
-    assert m3.value("smetric_gateway_ttft_seconds_bucket", instance=inst, le="+Inf") == 1
-    assert m3.value(funnel, instance=inst, stage="engine_cached") - m2.value(funnel, instance=inst,
+    assert m3.value("smetric_gateway_ttft_seconds_bucket", backend=inst, le="+Inf") == 1
+    assert m3.value(funnel, backend=inst, stage="engine_cached") - m2.value(funnel, backend=inst,
                                                                              stage="engine_cached") == 48
     assert m3.value("smetric_gateway_output_tokens_total") == 3 + 3 + 2
     assert m3.value("smetric_gateway_done_reports_total", result="delivered") == 3
@@ -97,12 +97,12 @@ async def test_retries_fallbacks_and_errors_are_counted(make_stack: StackFactory
     assert (await s.chat(MSGS)).status == 502
     assert (await s.http.post(f"{s.base}/v1/chat/completions", data=b"{nope")).status == 400
     m = await _metrics(s)
-    assert m.value("smetric_gateway_requests_total", instance="e1", status="200") == 4
-    assert m.value("smetric_gateway_requests_total", instance="none", status="502") == 1
-    assert m.value("smetric_gateway_requests_total", instance="none", status="400") == 1
-    assert m.value("smetric_gateway_retries_total", instance="e0") == failed + 1
-    assert m.value("smetric_gateway_upstream_failures_total", instance="e0", stage="before_response") == failed + 1
-    assert m.value("smetric_gateway_upstream_failures_total", instance="e1", stage="before_response") == 1
+    assert m.value("smetric_gateway_requests_total", backend="e1", status="200") == 4
+    assert m.value("smetric_gateway_requests_total", backend="none", status="502") == 1
+    assert m.value("smetric_gateway_requests_total", backend="none", status="400") == 1
+    assert m.value("smetric_gateway_retries_total", backend="e0") == failed + 1
+    assert m.value("smetric_gateway_upstream_failures_total", backend="e0", stage="before_response") == failed + 1
+    assert m.value("smetric_gateway_upstream_failures_total", backend="e1", stage="before_response") == 1
     # Failed attempts are not timed as successes.
     assert m.value("smetric_gateway_request_duration_seconds_count") == 4
 

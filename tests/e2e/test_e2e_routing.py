@@ -158,7 +158,7 @@ class Client:
 
     async def reset_cache(self, engine: launch.RunningEngine) -> None:
         """Empty an engine's prefix cache and make sure the controller saw it go."""
-        before = await self.metric("smetric_kv_events_total", instance=engine.instance_id, kind="AllBlocksCleared")
+        before = await self.metric("smetric_kv_events_total", backend=engine.instance_id, kind="AllBlocksCleared")
         for _ in range(50):
             async with self.http.post(f"{engine.http_url}/reset_prefix_cache") as resp:
                 if resp.status == 200 and (await resp.json()).get("success"):
@@ -171,7 +171,7 @@ class Client:
         async with self.http.post(f"{engine.http_url}/v1/completions", json=body) as resp:
             assert resp.status == 200
         await self.wait_metric("smetric_kv_events_total", lambda v: v > before,
-                               instance=engine.instance_id, kind="AllBlocksCleared")
+                               backend=engine.instance_id, kind="AllBlocksCleared")
 
     async def set_policy(self, config_path: Path, cfg: dict[str, Any], name: str) -> None:
         """Hot-reload the controller's policy (it watches the file) and wait until it is in force."""
@@ -334,7 +334,7 @@ async def test_smetric_routing_on_real_engines(
             # a queue.)
             long_task = asyncio.create_task(client.turn(anchor, max_tokens=1200))
             await client.wait_metric("smetric_instance_in_flight", lambda v: v >= 1, timeout_s=30.0,
-                                     instance=hot.instance_id)
+                                     backend=hot.instance_id)
             with paused(hot):
                 before = await client.metric("smetric_route_decisions_total", policy="smetric",
                                              reason="overloaded_fallback")
@@ -350,7 +350,7 @@ async def test_smetric_routing_on_real_engines(
             assert all(t.reason == "overloaded_fallback" and t.instance == cold.instance_id for t in moved), moved
             assert after - before == len(moved)
             await client.wait_metric("smetric_instance_in_flight", lambda v: v == 0, timeout_s=40.0,
-                                     instance=hot.instance_id)
+                                     backend=hot.instance_id)
 
             # ---- (d) after a prefix-cache reset, the sessions that lived there rebalance -------------
             await client.reset_cache(cold)
