@@ -37,6 +37,7 @@ LATENCY_BUCKETS_S: tuple[float, ...] = tuple(
 #: vLLM's KV event types (``smetric_kv_events_total{kind}``).
 KV_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 _BLOCK_OPS = {"blocks_stored": "stored", "blocks_removed": "removed"}
+_KNOWN_KEYS = (*sorted(KV_EVENT_TYPES), *_BLOCK_OPS, "unknown", "malformed", "non_gpu", "other_group")
 
 _FALLBACK_KIND = {
     Reason.OVERLOADED: "overloaded",
@@ -245,15 +246,17 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
     bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["backend", "kind"])
     lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["backend"])
     for s in subs:
-        for key, n in s.events.items():
-            # The subscriber tallies event types, block counts and skip reasons in one dict; each
-            # goes to its own family so that no sum over a label mixes events with blocks.
+        # The subscriber tallies event types, block counts and skip reasons in one dict (non-zero
+        # keys only); each goes to its own family, every known key from 0, so that no sum over a
+        # label mixes events with blocks and a first skip is a change, not a new series.
+        for key in {**dict.fromkeys(_KNOWN_KEYS, 0), **s.events}:
+            n = float(s.events.get(key, 0))
             if key in _BLOCK_OPS:
-                blocks.add_metric([s.instance, _BLOCK_OPS[key]], float(n))
+                blocks.add_metric([s.instance, _BLOCK_OPS[key]], n)
             elif key in KV_EVENT_TYPES:
-                events.add_metric([s.instance, key], float(n))
+                events.add_metric([s.instance, key], n)
             else:
-                skipped.add_metric([s.instance, key], float(n))
+                skipped.add_metric([s.instance, key], n)
         batches.add_metric([s.instance], float(s.batches))
         gaps.add_metric([s.instance], float(s.gaps))
         replays.add_metric([s.instance, "requested"], float(s.replays))
