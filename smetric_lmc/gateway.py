@@ -15,6 +15,8 @@ The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason
 instance; if that fails too the client gets a 502 JSON error naming both attempts. When the
 controller does not answer, the gateway routes round-robin over the configured instances, says
 so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``.
+``X-SMetric-Index-Ready: false`` marks decisions made while the controller's index was still empty
+(load balance). ``/metrics`` serves the gateway's Prometheus metrics (``gateway_metrics.py``).
 """
 
 from __future__ import annotations
