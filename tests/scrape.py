@@ -13,22 +13,14 @@ class Scrape:
     """Samples of one scrape: ``value(name, **labels)`` sums every sample that matches."""
 
     samples: list[tuple[str, dict[str, str], float]]
-    families: set[str]
 
     def value(self, name: str, **labels: str) -> float:
         return sum(v for n, lab, v in self.samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
-    def names(self) -> set[str]:
-        return {n for n, _lab, _v in self.samples}
-
 
 def parse(text: str) -> Scrape:
-    samples: list[tuple[str, dict[str, str], float]] = []
-    families: set[str] = set()
-    for fam in text_string_to_metric_families(text):
-        families.add(fam.name)
-        samples += [(s.name, dict(s.labels), float(s.value)) for s in fam.samples]
-    return Scrape(samples, families)
+    return Scrape([(s.name, dict(s.labels), float(s.value))
+                   for fam in text_string_to_metric_families(text) for s in fam.samples])
 
 
 async def scrape(http: aiohttp.ClientSession, url: str) -> Scrape:
