@@ -162,7 +162,7 @@ async def run_pipelined(endpoint: str, chains: list[HashChain], args: argparse.N
 
 def ingest_rate(n_events: int) -> float | None:
     try:
-        from smetric_lmc.controller.vllm_events import ingest_benchmark
+        from vllm_payloads import ingest_benchmark
     except ImportError:
         return None
     from smetric_lmc.index import TierIndex

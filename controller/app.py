@@ -5,11 +5,19 @@ event subscriber per instance; the LMCache worker server; the global-tier adapte
 Mooncake); the engine-metrics poller; the route service; the Prometheus/healthz endpoint.
 
 Liveness: an instance is routable while it shows signs of life (KV events, LMCache worker
-messages, successful engine-metrics polls). One silent for ``load.instance_timeout_s`` is dropped
-from the index and the load tracker, so routing skips it; its next sign of life registers it again
-and its index rebuilds from the events that follow. The rule is only enforced when a source
-that speaks even while the engine is idle exists (engine-metrics polling or LMCache heartbeats),
-since an idle engine emits no KV events and would otherwise be dropped for being idle.
+messages, successful engine-metrics polls). One silent for ``load.instance_timeout_s`` leaves
+routing (it is no longer a candidate for any request) and its in-flight load is forgotten, but its
+index entries are kept and marked stale (``TierIndex.mark_stale``): a silent engine usually still
+holds its KV cache, and dropping the entries would make every session on it look evicted when it
+returns. Its next sign of life makes it routable again; its stale entries still count as hits
+(reported stale in each lookup) until the engine's events store them again, remove them, clear the
+instance (``AllBlocksCleared``, an engine restart) or the index ages them out. The rule is only
+enforced when a source that speaks even while the engine is idle exists (engine-metrics polling or
+LMCache heartbeats), since an idle engine emits no KV events and would otherwise leave routing for
+being idle.
+
+Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
+the index failed on, marks the instance's entries stale in the same way, never clears them.
 
 Hot reload: the ``policy`` section is re-read when the config file changes (mtime polled) or on
 SIGHUP; a bad file is logged and ignored; other sections need a restart.
@@ -73,6 +81,10 @@ class LiveSink:
     def gpu_cleared(self, instance_id: str) -> None:
         self._seen(instance_id)
         self._index.gpu_cleared(instance_id)
+
+    def mark_stale(self, instance_id: str) -> None:
+        self._seen(instance_id)
+        self._index.mark_stale(instance_id)
 
     def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None:
         self._seen(instance_id)
@@ -349,6 +361,7 @@ class ControllerApp:
         self.load.add_instance(iid)
         self._routable.add(iid)
         self._last_seen[iid] = time.monotonic()
+        self.core.set_silent(self._known - self._routable)
 
     def _seen(self, iid: str) -> None:
         if iid not in self._known:
@@ -363,7 +376,9 @@ class ControllerApp:
             self._seen(iid)
 
     def check_liveness(self, now: float | None = None) -> list[str]:
-        """Drop instances silent for longer than the timeout; returns the ids dropped."""
+        """Take instances silent for longer than the timeout out of routing; returns their ids.
+
+        Their index entries stay, marked stale (see the module docstring)."""
         now = time.monotonic() if now is None else now
         timeout = self.cfg.load.instance_timeout_s
         dropped = []
@@ -371,11 +386,13 @@ class ControllerApp:
             silent = now - self._last_seen.get(iid, now)
             if silent > timeout:
                 self._routable.discard(iid)
-                self.index.drop_instance(iid)
+                self.index.mark_stale(iid)
                 self.load.remove_instance(iid)
                 dropped.append(iid)
-                log.warning("instance silent: leaves routing instance=%s silent_s=%.1f timeout_s=%.1f",
-                            iid, silent, timeout)
+                log.warning("instance silent: leaves routing, index kept as stale instance=%s silent_s=%.1f "
+                            "timeout_s=%.1f", iid, silent, timeout)
+        if dropped:
+            self.core.set_silent(self._known - self._routable)
         return dropped
 
     async def _liveness_loop(self) -> None:

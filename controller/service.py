@@ -79,8 +79,9 @@ class RouteCore:
     """Answers decoded requests. Never raises: every failure becomes an ``ErrorReply``.
 
     The owner (the controller app) supplies the parts it alone knows through callables:
-    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and keeps
-    ``routable`` in sync with the index (a routable instance is one registered in the index).
+    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and tells it
+    which instances are silent (``set_silent``): a routable instance is one registered in the
+    index, not silent, and (in PD disaggregation) prefill-capable.
     """
 
     def __init__(
@@ -105,9 +106,13 @@ class RouteCore:
         self.disaggregated = disaggregated
         self._instances: dict[str, InstanceConfig] = {i.id: i for i in instances}
         # In PD disaggregation only prefill-capable instances take new requests.
-        self.candidates: list[str] | None = (
-            [i.id for i in instances if i.role in ("prefill", "both")] if disaggregated else None
+        self._roles_ok: frozenset[str] | None = (
+            frozenset(i.id for i in instances if i.role in ("prefill", "both")) if disaggregated else None
         )
+        self._silent: frozenset[str] = frozenset()
+        # None routes over every registered instance (the fast path); a list narrows it.
+        self.candidates: list[str] | None = None
+        self._update_candidates()
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
@@ -134,6 +139,18 @@ class RouteCore:
                 self._ready = True
                 log.info("index ready: routing with policy=%s", self.router.policy_cfg.name)
         return self._ready
+
+    def set_silent(self, silent: set[str] | frozenset[str]) -> None:
+        """Instances that keep their index but take no new requests (silent past the timeout)."""
+        self._silent = frozenset(silent)
+        self._update_candidates()
+
+    def _update_candidates(self) -> None:
+        if self._roles_ok is None and not self._silent:
+            self.candidates = None
+            return
+        ids = [i for i in self._instances if i not in self._silent]
+        self.candidates = [i for i in ids if self._roles_ok is None or i in self._roles_ok]
 
     def endpoint_of(self, instance_id: str) -> str | None:
         inst = self._instances.get(instance_id)
