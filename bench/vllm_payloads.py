@@ -10,6 +10,7 @@ import msgspec
 
 from smetric_lmc.controller.vllm_events import GpuBlockSink, apply_batch, decode_payload
 
+
 def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:
     """vLLM-shaped payloads holding at least ``n_events`` block events.
 
