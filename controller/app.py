@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import Config, ConfigError, load_config
-from smetric_lmc.hashing import fast_root
+from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
@@ -54,7 +54,7 @@ from .metrics import (
     StateCollector,
     SubscriberState,
 )
-from .service import HashSettings, RouteCore, RouteService
+from .service import RouteCore, RouteService
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +119,14 @@ class ControllerApp:
         self.reload_poll_s = reload_poll_s
         self.enable_metrics_http = enable_metrics_http
         self.ctx = zmq.asyncio.Context()
-        h = cfg.hashing
-        self.index = TierIndex(h.block_size, h.lmcache_chunk_size, fast_root=fast_root(h.fast_namespace))
+        self.hashing = HashSettings.from_config(cfg)
+        hs = self.hashing
+        self.index = TierIndex(hs.block_size, hs.chunk_size, fast_root=hs.fast_root)
         self.load = LoadTracker()
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
         self.metrics = ControllerMetrics()
         self.metrics.add_collector(StateCollector(self.snapshot))
-        self.hashing = HashSettings(
-            block_size=h.block_size,
-            fast_root=self.index.fast_root,
-            chunk_size=h.lmcache_chunk_size,
-            lmcache_algo=h.lmcache_hash,
-            lmcache_root=h.lmcache_root_value(),
-            want_chunks=cfg.lmcache.enabled or cfg.global_store.kind != "none",
-        )
         self.core = RouteCore(
             self.index,
             self.load,

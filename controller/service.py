@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,7 +26,7 @@ import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, PolicyConfig
 from smetric_lmc.controller.tasks import cancel_and_wait
-from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
+from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Routed, Router
@@ -36,6 +35,7 @@ from smetric_lmc.wire import (
     DoneAck,
     DoneReport,
     ErrorReply,
+    HashChain,
     HealthReply,
     HealthRequest,
     InstanceInfo,
@@ -57,22 +57,6 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 512
 #: Envelope frames a peer may put before the delimiter (proxies add one per hop).
 MAX_ENVELOPE_FRAMES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class HashSettings:
-    """How the controller turns a prompt into the index's hash spaces."""
-
-    block_size: int
-    fast_root: int
-    chunk_size: int = 256
-    lmcache_algo: str = "builtin"  # "builtin" | "sha256_cbor"
-    lmcache_root: int = 0
-    want_chunks: bool = False  # LMCache local tier or a global tier is indexed
-
-    @property
-    def lmcache_scheme(self) -> str:
-        return f"lmcache_{self.lmcache_algo}"
 
 
 class RouteCore:
@@ -126,6 +110,7 @@ class RouteCore:
             "no_instance": 0,
             "errors": 0,
             "internal_errors": 0,
+            "hash_mismatch": 0,
         }
         self.errors_by_code: dict[str, int] = {}
 
@@ -259,6 +244,8 @@ class RouteCore:
         fast: list[int] | None = None
         chunks: list[int] | None = None
         for hc in req.hashes:
+            if hc.scheme in ("fast", hs.lmcache_scheme):
+                self._check_root(hc, hs.fast_root if hc.scheme == "fast" else hs.lmcache_root)
             if hc.scheme == "fast":
                 if hc.block_size != hs.block_size:
                     raise WireError(
@@ -293,6 +280,17 @@ class RouteCore:
         else:
             n_tokens = max(len(fast) * hs.block_size, len(chunks or ()) * hs.chunk_size)
         return fast, (chunks if hs.want_chunks else None), n_tokens
+
+    def _check_root(self, hc: HashChain, root: int) -> None:
+        if hc.root is None or hc.root == root:
+            return
+        # Hashes from another root match nothing here: routing on them would silently read every
+        # hit as zero. Refuse loudly (the error code is counted per code in the metrics).
+        self.counters["hash_mismatch"] += 1
+        log.warning("route refused: %s chain hashed from root %d; this index uses %d (the sender must adopt "
+                    "stats()['hashing'])", hc.scheme, hc.root, root)
+        raise WireError("hash_mismatch", f"{hc.scheme} chain root {hc.root} differs from this index's {root}; "
+                        "adopt the controller's stats()['hashing']")
 
     def _done(self, req: DoneReport) -> DoneAck:
         self.counters["done"] += 1
@@ -338,14 +336,7 @@ class RouteCore:
             "index_ready": self.index_ready,
             "degraded": not self.index_ready,
             "routable_instances": self.routable_ids(),
-            "hashing": {
-                "block_size": hs.block_size,
-                "fast_root": hs.fast_root,
-                "lmcache_scheme": hs.lmcache_scheme,
-                "lmcache_chunk_size": hs.chunk_size,
-                "lmcache_root": hs.lmcache_root,
-                "chunks_indexed": hs.want_chunks,
-            },
+            "hashing": hs.as_stats(),
             "service": dict(self.counters),
             "errors_by_code": dict(self.errors_by_code),
             "index": {**self.index.stats, **self.index.sizes()},
@@ -525,4 +516,4 @@ class RouteService:
             self._sock = None
 
 
-__all__ = ["HashSettings", "RouteCore", "RouteService", "split_envelope"]
+__all__ = ["RouteCore", "RouteService", "split_envelope"]

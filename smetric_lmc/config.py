@@ -50,7 +50,6 @@ class InstanceConfig(_Cfg):
 
 class HashingConfig(_Cfg):
     block_size: int = 16  # vLLM block size of every instance (the GPU tier's granularity)
-    vllm_hash_algo: Literal["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"] = "sha256_cbor"
     fast_namespace: str = ""  # seeds the controller's own chain (e.g. the model name)
     lmcache_chunk_size: int = 256
     lmcache_hash: Literal["builtin", "sha256_cbor"] = "builtin"

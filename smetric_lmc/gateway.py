@@ -43,7 +43,7 @@ from smetric_lmc.gateway_prompt import (
     UsageSniffer,
     parse_turn_header,
 )
-from smetric_lmc.hashing import fast_root
+from smetric_lmc.hashing import HashSettings
 from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,8 @@ class Gateway:
         self.route_timeout_s = route_timeout_s
         self.controller_retry_s = controller_retry_s
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=connect_timeout_s)
-        h = cfg.hashing
-        self.block_size = h.block_size
-        self.fast_root = fast_root(h.fast_namespace)
-        # The controller indexes LMCache chunks only with LMCache or a global store configured.
-        self.chunk_size = h.lmcache_chunk_size if (cfg.lmcache.enabled or cfg.global_store.kind != "none") else None
+        # The config's hashing until the controller's stats reply says what its index uses.
+        self.hashing = HashSettings.from_config(cfg)
         self._hf = _load_hf(tokenizer_dir) if tokenizer_dir else None
         self._http: aiohttp.ClientSession | None = None
         self._client: AsyncRouteClient | None = None
@@ -126,6 +123,7 @@ class Gateway:
         self.counters: dict[str, int] = {
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
+            "hash_mismatch": 0,
         }
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -144,9 +142,9 @@ class Gateway:
         self._http = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
         self._client = AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
         self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf)
-        self._spawn(self._check_hashing())
+        await self._adopt_hashing()
         log.info("gateway: controller=%s instances=%s block_size=%d tokenizer=%s", self.controller_url,
-                 ",".join(self._by_id), self.block_size, "hf" if self._hf else "engine /tokenize")
+                 ",".join(self._by_id), self.hashing.block_size, "hf" if self._hf else "engine /tokenize")
 
     async def _cleanup(self, _app: web.Application) -> None:
         if self._background:
@@ -161,21 +159,24 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _check_hashing(self) -> None:
-        """Client-side hashes must match the controller's index; adopt its settings if they differ."""
+    async def _adopt_hashing(self) -> bool:
+        """Take every hashing field from the controller's ``stats``, so client-side hashes match its
+        index; True when adopted. Until then the config's settings are used, and the controller
+        refuses any chain whose root differs (``hash_mismatch``), which brings the gateway back here."""
         assert self._client is not None
         try:
-            hashing = (await self._client.stats()).get("hashing", {})
+            theirs = HashSettings.from_stats((await self._client.stats()).get("hashing"))
         except RouteError as exc:
-            log.warning("gateway: controller not reachable at start (%s); using the config's hashing", exc)
-            return
-        bs, root = hashing.get("block_size"), hashing.get("fast_root")
-        if isinstance(bs, int) and isinstance(root, int) and (bs, root) != (self.block_size, self.fast_root):
-            log.error("gateway: config hashing (block_size=%d) differs from the controller's (%d); using the "
-                      "controller's", self.block_size, bs)
-            self.block_size, self.fast_root = bs, root
-        if not hashing.get("chunks_indexed", self.chunk_size is not None):
-            self.chunk_size = None
+            log.warning("gateway: controller's hashing unknown (%s); hashing with the config's until it answers", exc)
+            return False
+        except ValueError as exc:
+            log.error("gateway: controller's stats carry no usable hashing (%s); keeping the config's", exc)
+            return False
+        diff = self.hashing.differences(theirs)
+        if diff:
+            log.warning("gateway: adopting the controller's hashing, which differs from the config: %s", " ".join(diff))
+        self.hashing = theirs
+        return True
 
     # ---- handlers -------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -265,31 +266,44 @@ class Gateway:
         assert self._client is not None
         if not self._controller_usable():
             return "controller_unavailable"
-        kw: dict[str, Any] = {"turn": info.turn, "est_hit_tokens": info.est_hit_tokens}
-        if info.token_ids is not None:
-            kw.update(token_ids=info.token_ids, hash_client_side=True, block_size=self.block_size,
-                      fast_root=self.fast_root)
-            if self.chunk_size:
-                h = self.cfg.hashing
-                kw.update(lmcache_chunk_size=self.chunk_size, lmcache_root=h.lmcache_root, lmcache_hash=h.lmcache_hash)
-        else:  # no tokenizer answered: route on load alone
-            kw.update(hashes=[HashChain("fast", self.block_size, [])], prompt_tokens=info.approx_tokens)
         try:
-            d = await self._client.route(route_id, model=self.cfg.model, **kw)
-        except RouteTimeout as exc:
-            self._mark_controller(False, str(exc))
-            return "controller_unavailable"
+            d = await self._client.route(route_id, model=self.cfg.model, **self._route_args(info))
         except RouteError as exc:
-            if exc.code == "transport":
-                self._mark_controller(False, str(exc))
-                return "controller_unavailable"
-            log.error("gateway: controller refused route request=%s: %s", route_id, exc)
-            return f"controller_error:{exc.code}"
+            if exc.code != "hash_mismatch":
+                return self._route_failed(route_id, exc)
+            # The controller's index hashes differently than this gateway (it restarted with another
+            # config, or was unreachable when the gateway started): count it, adopt, try once more.
+            self.counters["hash_mismatch"] += 1
+            log.error("gateway: controller refused request=%s: %s; re-adopting its hashing", route_id, exc.message)
+            if not await self._adopt_hashing():
+                return "controller_hash_mismatch"
+            try:
+                d = await self._client.route(route_id, model=self.cfg.model, **self._route_args(info))
+            except RouteError as again:
+                return self._route_failed(route_id, again)
         self._mark_controller(True)
         if d.instance_id is None or not d.endpoint:
             log.warning("gateway: controller has no routable instance (reason=%s)", d.reason.value)
             return "controller_no_instance"
         return d
+
+    def _route_args(self, info: PromptInfo) -> dict[str, Any]:
+        kw: dict[str, Any] = {"turn": info.turn, "est_hit_tokens": info.est_hit_tokens}
+        if info.token_ids is not None:
+            kw.update(token_ids=info.token_ids, hashing=self.hashing)
+        else:  # no tokenizer answered: route on load alone
+            kw.update(hashes=[HashChain("fast", self.hashing.block_size, [])], prompt_tokens=info.approx_tokens)
+        return kw
+
+    def _route_failed(self, route_id: str, exc: RouteError) -> str:
+        if isinstance(exc, RouteTimeout):
+            self._mark_controller(False, str(exc))
+            return "controller_unavailable"
+        if exc.code == "transport":
+            self._mark_controller(False, str(exc))
+            return "controller_unavailable"
+        log.error("gateway: controller refused route request=%s: %s", route_id, exc)
+        return f"controller_error:{exc.code}"
 
     async def _decide(self, rid: str, info: PromptInfo, exclude: str | None = None) -> Target:
         d = await self._ask_controller(rid, info)

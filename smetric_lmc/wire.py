@@ -47,9 +47,12 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 class HashChain(msgspec.Struct, forbid_unknown_fields=True):
     """A prompt's prefix-chained block hashes in one hash scheme."""
 
-    scheme: str  # "fast" | "lmcache_builtin" | "lmcache_sha256_cbor" | "vllm_sha256_cbor"
+    scheme: str  # "fast" | "lmcache_builtin" | "lmcache_sha256_cbor"
     block_size: int
     hashes: list[int]
+    # The chain's root (fast_root or LMCache NONE_HASH) the sender hashed from; when given, the
+    # controller refuses the route ("hash_mismatch") unless it is the index's own root.
+    root: int | None = None
 
 
 class RouteRequest(_Msg, tag="route"):
@@ -137,7 +140,7 @@ class StatsReply(_Msg, tag="stats_reply"):
 
 
 class ErrorReply(_Msg, tag="error"):
-    code: str  # "bad_request" | "unsupported_version" | "too_large" | "internal"
+    code: str  # "bad_request" | "unsupported_version" | "too_large" | "hash_mismatch" | "internal"
     message: str
     request_id: str | None = None
     version: int = WIRE_VERSION

@@ -9,6 +9,7 @@ vLLM; tests/e2e/test_e2e_routing.py runs the same gateway against real vLLM engi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +23,7 @@ from aiohttp import web
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.gateway import Gateway
-from smetric_lmc.hashing import fast_chain
+from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain, lmcache_root
 from smetric_lmc.wire import DoneReport
 from smetric_lmc.workers.launch import free_ports
 
@@ -156,7 +157,8 @@ StackFactory = Callable[..., Any]
 async def make_stack() -> AsyncIterator[StackFactory]:
     cleanups: list[Any] = []
 
-    async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False) -> Stack:
+    async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
+                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -165,13 +167,15 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         if dead_instance:  # nothing listens there: connect errors
             instances.insert(0, {"id": "dead", "http": f"http://127.0.0.1:{free_ports(1)[0]}"})
         route_port = free_ports(1)[0]
-        cfg = parse_config({
+        raw = {
             "model": "tiny",
             "hashing": {"block_size": BLOCK},
             "instances": instances,
             "server": {"route_url": f"tcp://127.0.0.1:{route_port}"},
             "load": {"metrics_poll_s": 0},
-        })
+            **(extra or {}),
+        }
+        cfg = parse_config(raw)
         app = None
         if controller:
             app = ControllerApp(cfg, enable_metrics_http=False)
@@ -186,7 +190,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 return original(req)
 
             app.core._done = spy  # type: ignore[method-assign]
-        gw = Gateway(cfg, route_timeout_s=0.3, controller_retry_s=30.0)
+        gw_cfg = parse_config({**raw, "hashing": gateway_hashing}) if gateway_hashing is not None else cfg
+        gw = Gateway(gw_cfg, route_timeout_s=0.3, controller_retry_s=30.0)
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]
@@ -263,6 +268,49 @@ async def test_follow_up_sticks_where_the_index_holds_its_history(make_stack: St
     # An explicit turn overrides the count: turn 0 balances instead of sticking.
     resp = await s.chat(follow, headers={"X-SMetric-Turn": "0"})
     assert resp.headers["X-SMetric-Turn"] == "0" and resp.headers["X-SMetric-Reason"] == "first_turn"
+
+
+LONG = [{"role": "system", "content": "You are a careful assistant. " * 20},
+        {"role": "user", "content": "Summarise the plan in one line."},
+        {"role": "assistant", "content": "Plan: do it."}, {"role": "user", "content": "Again, shorter."}]
+
+
+async def test_lmcache_chunks_are_hashed_from_the_resolved_root(make_stack: StackFactory) -> None:
+    # LMCache's NONE_HASH given by kind: the gateway must hash chunks from the same int root the
+    # controller resolved, or every LMCache-tier hit of a gateway request reads as zero.
+    p1, p2 = free_ports(2)
+    extra = {"hashing": {"block_size": BLOCK, "lmcache_root": "vllm_sha256_cbor", "lmcache_root_seed": "0"},
+             "lmcache": {"enabled": True, "pull_url": f"tcp://127.0.0.1:{p1}", "reply_url": f"tcp://127.0.0.1:{p2}"}}
+    s: Stack = await make_stack(extra=extra)
+    assert s.controller is not None
+    hs = s.controller.hashing
+    assert hs.lmcache_root == lmcache_root("vllm_sha256_cbor", seed="0") and s.gateway.hashing == hs
+    hist_ids = tokens_of(render(LONG[:3], False))
+    assert len(hist_ids) >= 2 * hs.chunk_size
+    # Only the LMCache tier of e1 holds the history (its GPU blocks were evicted).
+    s.controller.index.lmcache_admit("e1", lmcache_chunk_chain(hist_ids, hs.chunk_size, root=hs.lmcache_root))
+    resp = await s.chat(LONG)
+    h = resp.headers
+    assert (h["X-SMetric-Instance"], h["X-SMetric-Reason"]) == ("e1", "sticky")
+    assert int(h["X-SMetric-Local-Hit"]) == len(hist_ids) // hs.chunk_size * hs.chunk_size
+
+
+async def test_gateway_adopts_the_controllers_hashing_and_recovers_from_a_mismatch(
+    make_stack: StackFactory,
+) -> None:
+    s: Stack = await make_stack(gateway_hashing={"block_size": BLOCK, "fast_namespace": "another-model"})
+    assert s.controller is not None
+    assert s.gateway.hashing == s.controller.hashing  # adopted at start, every field
+    hist_ids = tokens_of(render(LONG[:3], False))
+    index = s.controller.index
+    index.gpu_stored_hashes("e1", fast_chain(hist_ids, BLOCK, root=index.fast_root))
+    # The controller restarted with other settings than the gateway adopted (here: the gateway's
+    # copy is made stale): its route is refused, counted and logged, then hashed again and routed.
+    s.gateway.hashing = dataclasses.replace(s.gateway.hashing, fast_root=index.fast_root ^ 1)
+    resp = await s.chat(LONG)
+    assert (resp.headers["X-SMetric-Instance"], resp.headers["X-SMetric-Reason"]) == ("e1", "sticky")
+    assert s.gateway.counters["hash_mismatch"] == 1 and s.controller.core.counters["hash_mismatch"] == 1
+    assert s.gateway.hashing == s.controller.hashing
 
 
 async def test_5xx_is_retried_once_on_another_instance(make_stack: StackFactory) -> None:

@@ -56,7 +56,7 @@ def controller_config(
     return {
         "model": model or engines[0].model,
         "policy": {"name": policy, **(policy_overrides or {})},
-        "hashing": {"block_size": block_sizes.pop(), "vllm_hash_algo": engines[0].spec.hash_algo},
+        "hashing": {"block_size": block_sizes.pop()},
         "instances": [
             {"id": e.instance_id, "http": e.http_url, "kv_events": e.kv_events_endpoint, "replay": e.replay_endpoint}
             for e in engines
