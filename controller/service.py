@@ -29,7 +29,7 @@ from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
-from smetric_lmc.router import Routed, Router
+from smetric_lmc.router import Router
 from smetric_lmc.wire import (
     MAX_FRAME_BYTES,
     DoneAck,
@@ -177,7 +177,7 @@ class RouteCore:
         log.debug("route service: error code=%s request_id=%s message=%s", code, request_id, message)
         return ErrorReply(code=code, message=message[:1000], request_id=request_id)
 
-    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, Routed | None]:
+    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, RouteDecision | None]:
         if isinstance(req, RouteRequest):
             return self._route(req)
         if isinstance(req, DoneReport):
@@ -194,7 +194,7 @@ class RouteCore:
         raise WireError("bad_request", f"unsupported message {type(req).__name__}")
 
     # ---- route / done ---------------------------------------------------------------------------
-    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, Routed | None]:
+    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, RouteDecision | None]:
         self.counters["route"] += 1
         _check_request_id(req.request_id)
         blocks, chunks, n_tokens = self._hashes(req)
@@ -218,25 +218,11 @@ class RouteCore:
             est_hit=req.est_hit_tokens,
             candidates=self.candidates,
         )
-        endpoint = None
         if routed.instance_id is None:
             self.counters["no_instance"] += 1
         else:
-            endpoint = self.endpoint_of(routed.instance_id)
-        decision = RouteDecision(
-            request_id=req.request_id,
-            instance_id=routed.instance_id,
-            endpoint=endpoint,
-            reason=routed.reason,
-            policy=routed.policy,
-            local_hit_tokens=routed.local_hit_tokens,
-            global_hit_tokens=routed.global_hit_tokens,
-            est_hit_tokens=routed.est_hit_tokens,
-            turn=routed.turn,
-            prompt_tokens=routed.prompt_tokens,
-            load=routed.load,
-        )
-        return decision, routed
+            routed.endpoint = self.endpoint_of(routed.instance_id)
+        return routed, routed
 
     def _hashes(self, req: RouteRequest) -> tuple[list[int], list[int] | None, int]:
         """The request's fast block chain and LMCache chunk chain, and its token count."""

@@ -12,8 +12,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-PolicyName = Literal["smetric", "load_balance", "bailian", "lmetric", "dynamo", "round_robin", "cache_first"]
-POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
+from smetric_lmc.policy import POLICY_NAMES
 
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -21,13 +20,15 @@ class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PolicyConfig(_Cfg):
-    name: PolicyName = "smetric"
+    name: str = "smetric"  # one of POLICY_NAMES (every policy registered in smetric_lmc.policy)
     overload: float = 2.0  # SMetric OVERLOAD; use .inf to never shed
     hit_ratio: float = 0.5  # SMetric HIT_RATIO
     bailian_lambda: float = 0.9  # weight of the miss term in the bailian linear score
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
 
     def __post_init__(self) -> None:
+        if self.name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.name!r}; expected one of {', '.join(POLICY_NAMES)}")
         if self.overload < 0:
             raise ValueError("overload must be >= 0")
         if not 0 <= self.hit_ratio <= 1:

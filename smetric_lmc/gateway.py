@@ -58,18 +58,20 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 @dataclass(slots=True)
 class Target:
-    """Where one attempt goes, and why."""
+    """Where one attempt goes: the controller's decision, or the gateway's own fallback pick."""
 
     instance_id: str
     endpoint: str
-    reason: str
     route_id: str | None  # the id the controller counts this attempt under; None: not routed by it
-    policy: str = ""
-    local_hit_tokens: int = 0
-    est_hit_tokens: int = 0
-    turn: int | None = None
+    decision: RouteDecision | None  # None: the gateway picked round-robin
     prompt_tokens: int = 0
+    turn: int | None = None
+    est_hit_tokens: int | None = None
     fallback: str | None = None  # why the controller's decision was not used
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason.value if self.decision is not None else "gateway_round_robin"
 
 
 @dataclass(slots=True)
@@ -310,8 +312,8 @@ class Gateway:
         if isinstance(d, RouteDecision):
             if d.instance_id != exclude:
                 self.counters["routed"] += 1
-                return Target(d.instance_id or "", d.endpoint or "", d.reason.value, rid, d.policy,
-                              d.local_hit_tokens, d.est_hit_tokens, d.turn, d.prompt_tokens)
+                return Target(d.instance_id or "", d.endpoint or "", rid, d, d.prompt_tokens, d.turn,
+                              d.est_hit_tokens)
             # The controller still prefers the instance that just failed: release and go elsewhere.
             self._report_failed_route(rid, d.instance_id)
             d = "controller_chose_failed_instance"
@@ -319,8 +321,7 @@ class Gateway:
         inst = next(iter(self._order_from(exclude)), None) if exclude else self._round_robin()
         assert inst is not None
         n = len(info.token_ids) if info.token_ids is not None else info.approx_tokens
-        return Target(inst.id, inst.http, "gateway_round_robin", None, "round_robin", 0,
-                      info.est_hit_tokens or 0, info.turn, n, fallback=d)
+        return Target(inst.id, inst.http, None, None, n, info.turn, info.est_hit_tokens, fallback=d)
 
     async def _retry_target(self, rid: str, info: PromptInfo, failed: str) -> Target | None:
         if len(self.instances) < 2:
@@ -452,16 +453,19 @@ def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 def _decision_headers(t: Target, rid: str, retried_from: str | None) -> dict[str, str]:
+    d = t.decision
     h = {
         "X-SMetric-Request-Id": rid,
         "X-SMetric-Instance": t.instance_id,
         "X-SMetric-Reason": t.reason,
-        "X-SMetric-Policy": t.policy,
-        "X-SMetric-Local-Hit": str(t.local_hit_tokens),
-        "X-SMetric-Est-Hit": str(t.est_hit_tokens),
+        "X-SMetric-Policy": d.policy if d is not None else "round_robin",
+        "X-SMetric-Local-Hit": str(d.local_hit_tokens if d is not None else 0),
+        "X-SMetric-Est-Hit": str(t.est_hit_tokens or 0),
         "X-SMetric-Turn": "" if t.turn is None else str(t.turn),
         "X-SMetric-Prompt-Tokens": str(t.prompt_tokens),
     }
+    if d is not None:
+        h["X-SMetric-Turn-Source"] = d.turn_source.value
     if t.fallback:
         h["X-SMetric-Fallback"] = t.fallback
     if retried_from:

@@ -40,6 +40,15 @@ class Reason(str, Enum):
     CACHE_FIRST = "cache_first"
 
 
+class TurnSource(str, Enum):
+    """Where a decision's turn came from; every value but ``request`` is a route that had no turn."""
+
+    REQUEST = "request"  # the route request carried it
+    EST_HIT = "est_hit"  # no turn, est_hit_tokens > 0: a follow-up
+    INDEX_FOLLOW_UP = "index_follow_up"  # no turn: the longest local hit runs past the shared prefix
+    INDEX_FIRST_TURN = "index_first_turn"  # no turn: nothing beyond the shared prefix is cached
+
+
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=False):
     pass
 
@@ -61,7 +70,7 @@ class RouteRequest(_Msg, tag="route"):
     token_ids: list[int] | None = None
     hashes: list[HashChain] = []
     prompt_tokens: int | None = None  # defaults to len(token_ids)
-    turn: int | None = None  # explicit turn; None = unknown -> treated as a follow-up only if est_hit > 0
+    turn: int | None = None  # explicit turn; None = unknown: inferred (see TurnSource, README "Unknown turns")
     est_hit_tokens: int | None = None
     version: int = WIRE_VERSION
 
@@ -91,17 +100,21 @@ class InstancesRequest(_Msg, tag="instances"):
 
 
 class RouteDecision(_Msg, tag="decision"):
+    """Where a request goes and why: the router's result, the simulator's, and the wire reply."""
+
     request_id: str
     instance_id: str | None
     endpoint: str | None
     reason: Reason
     policy: str
-    local_hit_tokens: int = 0
+    local_hit_tokens: int = 0  # on the chosen instance
     global_hit_tokens: int = 0
     est_hit_tokens: int = 0
     turn: int = 0
     prompt_tokens: int = 0
-    load: float = 0.0
+    load: float = 0.0  # the chosen instance's load before this request
+    best_local_hit_tokens: int = 0  # anywhere: the cache-loss funnel compares it with local_hit_tokens
+    turn_source: TurnSource = TurnSource.REQUEST
     version: int = WIRE_VERSION
 
 
