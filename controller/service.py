@@ -41,6 +41,8 @@ from smetric_lmc.wire import (
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -103,6 +105,7 @@ class RouteCore:
         self.counters: dict[str, int] = {
             "route": 0,
             "done": 0,
+            "prefilled": 0,
             "stats": 0,
             "health": 0,
             "instances": 0,
@@ -182,6 +185,10 @@ class RouteCore:
             return self._route(req)
         if isinstance(req, DoneReport):
             return self._done(req), None
+        if isinstance(req, PrefilledReport):
+            self.counters["prefilled"] += 1
+            _check_request_id(req.request_id)
+            return PrefilledAck(request_id=req.request_id, applied=self.load.on_prefilled(req.request_id)), None
         if isinstance(req, StatsRequest):
             self.counters["stats"] += 1
             return StatsReply(stats=self.stats()), None

@@ -43,6 +43,8 @@ from smetric_lmc.wire import (
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -231,6 +233,10 @@ class RouteClient(_Base):
         """Report a request finished (instance_id, prompt_tokens, output_tokens, cached_tokens, ttft_s, e2e_s, ok)."""
         return _expect(self._call(_done_report(request_id, **kw)), DoneAck)
 
+    def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        """Report the request's first output token arrived (its prompt is prefilled)."""
+        return _expect(self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
+
     def stats(self) -> dict[str, Any]:
         return _expect(self._call(StatsRequest()), StatsReply).stats
 
@@ -332,6 +338,9 @@ class AsyncRouteClient(_Base):
 
     async def done(self, request_id: str, **kw: Any) -> DoneAck:
         return _expect(await self._call(_done_report(request_id, **kw)), DoneAck)
+
+    async def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        return _expect(await self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
 
     async def stats(self) -> dict[str, Any]:
         return _expect(await self._call(StatsRequest()), StatsReply).stats

@@ -7,7 +7,8 @@ Per request (``/v1/chat/completions``, ``/v1/completions``):
 2. ask the controller's ``route`` (only the prompt's block hashes cross the wire);
 3. forward the client's body, unchanged, to the chosen instance and stream the answer back as
    it arrives (SSE included, byte for byte);
-4. report ``done`` (usage, cached tokens, TTFT, end-to-end time) so the controller releases load.
+4. report ``prefilled`` when a streamed answer's first bytes arrive (its prompt no longer queues for
+   prefill), and ``done`` (usage, cached tokens, TTFT, end-to-end time) so the controller releases load.
 
 The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason``,
 ``-Local-Hit``, ``-Turn``, ...). An instance that fails before any byte reached the client
@@ -125,7 +126,7 @@ class Gateway:
         self.counters: dict[str, int] = {
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
-            "hash_mismatch": 0,
+            "hash_mismatch": 0, "prefilled_reports": 0, "prefilled_failures": 0,
         }
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -361,9 +362,13 @@ class Gateway:
                 resp = web.StreamResponse(status=up.status, headers=headers)
                 att.sniffer = UsageSniffer(up.headers.get("Content-Type", ""))
                 await resp.prepare(request)
+                streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
                 async for chunk in up.content.iter_any():
                     if att.first_byte is None:
                         att.first_byte = time.monotonic()
+                        if streamed and target.route_id is not None:
+                            # The engine streams once the prompt is prefilled: its tokens stop queueing.
+                            self._spawn(self._send_prefilled(target.route_id, target.instance_id))
                     await resp.write(chunk)
                     att.sniffer.feed(chunk)
                 att.sniffer.finish()
@@ -419,6 +424,15 @@ class Gateway:
             output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
             ttft_s=(att.first_byte - att.started) if att.first_byte else None, e2e_s=now - att.started, ok=att.ok,
         ))
+
+    async def _send_prefilled(self, route_id: str, instance_id: str) -> None:
+        assert self._client is not None
+        try:
+            await self._client.prefilled(route_id, instance_id=instance_id)
+            self.counters["prefilled_reports"] += 1
+        except RouteError as exc:  # the engine-metrics fallback covers it; not worth failing over
+            self.counters["prefilled_failures"] += 1
+            log.debug("gateway: prefilled report for %s not delivered: %s", route_id, exc)
 
     async def _send_done(self, route_id: str, **kw: Any) -> None:
         assert self._client is not None

@@ -4,9 +4,10 @@ Every message is a msgpack map or a JSON object whose ``type`` field names the m
 in any language can speak it: the controller detects the encoding of each request from its first
 byte (``{`` is JSON, anything else msgpack) and answers in kind.
 
-Requests (gateway -> controller): ``route``, ``done``, ``stats``, ``health``, ``instances``.
-Replies (controller -> gateway): ``decision``, ``done_ack``, ``stats_reply``, ``health_reply``,
-``instances_reply``, ``error``.
+Requests (gateway -> controller): ``route``, ``prefilled`` (optional), ``done``, ``stats``,
+``health``, ``instances``.
+Replies (controller -> gateway): ``decision``, ``prefilled_ack``, ``done_ack``, ``stats_reply``,
+``health_reply``, ``instances_reply``, ``error``.
 
 The prompt of a ``route`` may be given as token ids (the controller hashes them) or as precomputed
 prefix-chained block hashes, one chain per hash scheme (see ``smetric_lmc.hashing``), so that only
@@ -87,6 +88,15 @@ class DoneReport(_Msg, tag="done"):
     version: int = WIRE_VERSION
 
 
+class PrefilledReport(_Msg, tag="prefilled"):
+    """The request's first output token arrived: its prompt no longer waits for prefill. Optional;
+    without it the controller infers prefill progress from the engines' /metrics."""
+
+    request_id: str
+    instance_id: str | None = None
+    version: int = WIRE_VERSION
+
+
 class StatsRequest(_Msg, tag="stats"):
     version: int = WIRE_VERSION
 
@@ -121,6 +131,12 @@ class RouteDecision(_Msg, tag="decision"):
 class DoneAck(_Msg, tag="done_ack"):
     request_id: str
     released: bool
+    version: int = WIRE_VERSION
+
+
+class PrefilledAck(_Msg, tag="prefilled_ack"):
+    request_id: str
+    applied: bool  # False: not in flight (already done, unknown) or already prefilled
     version: int = WIRE_VERSION
 
 
@@ -159,8 +175,8 @@ class ErrorReply(_Msg, tag="error"):
     version: int = WIRE_VERSION
 
 
-Request = RouteRequest | DoneReport | StatsRequest | HealthRequest | InstancesRequest
-Reply = RouteDecision | DoneAck | StatsReply | HealthReply | InstancesReply | ErrorReply
+Request = RouteRequest | DoneReport | PrefilledReport | StatsRequest | HealthRequest | InstancesRequest
+Reply = RouteDecision | DoneAck | PrefilledAck | StatsReply | HealthReply | InstancesReply | ErrorReply
 
 
 class WireError(ValueError):

@@ -245,6 +245,9 @@ async def test_sse_stream_passes_through_byte_for_byte_as_it_arrives(make_stack:
     assert first + rest == b"".join(SSE_EVENTS)
     (done,) = await s.wait_dones(1)
     assert (done.prompt_tokens, done.output_tokens, done.cached_tokens, done.ok) == (70, 2, 48, True)
+    # The first streamed bytes told the controller the prompt was prefilled.
+    assert s.controller is not None and s.controller.core.counters["prefilled"] == 1
+    assert s.gateway.counters["prefilled_reports"] == 1 and s.controller.load.stats["prefilled"] == 1
     assert done.ttft_s is not None and done.ttft_s <= done.e2e_s  # type: ignore[operator]
 
 
