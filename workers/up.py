@@ -146,7 +146,7 @@ class LocalStack:
 
 
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
-    venv = launch.ensure_engine_venv()
+    venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
         venv.parent / "models" / "tiny-qwen2", python=python)
