@@ -57,6 +57,7 @@ class FakeEngine:
     release_stream: asyncio.Event = field(default_factory=asyncio.Event)
     hold_stream: bool = False
     die_mid_stream: bool = False
+    tokenize_broken: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -78,6 +79,8 @@ class FakeEngine:
             await self.runner.cleanup()
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenize_broken:
+            return web.json_response({"error": "tokenizer unavailable"}, status=503)
         body = await request.json()
         if "messages" in body:
             text = render(body["messages"], body.get("add_generation_prompt", True))
@@ -314,6 +317,30 @@ async def test_gateway_adopts_the_controllers_hashing_and_recovers_from_a_mismat
     assert (resp.headers["X-SMetric-Instance"], resp.headers["X-SMetric-Reason"]) == ("e1", "sticky")
     assert s.gateway.counters["hash_mismatch"] == 1 and s.controller.core.counters["hash_mismatch"] == 1
     assert s.gateway.hashing == s.controller.hashing
+
+
+def chat_with_history(k: int) -> list[dict[str, Any]]:
+    words = " ".join(f"word{(k * 7 + j) % 50}" for j in range(90))
+    return [{"role": "system", "content": f"Session {k}. " + words},
+            {"role": "user", "content": words[::-1]}, {"role": "assistant", "content": words.upper()},
+            {"role": "user", "content": "And then?"}]
+
+
+async def test_untokenized_history_is_estimated_by_the_one_calibrated_estimator(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for k in range(6):  # engines tokenize these: exact counts, each also calibrates the estimate
+        resp = await s.chat(chat_with_history(k))
+        exact = len(tokens_of(render(chat_with_history(k)[:3], False)))
+        assert int(resp.headers["X-SMetric-Est-Hit"]) == exact // BLOCK * BLOCK
+    for e in s.engines:
+        e.tokenize_broken = True
+    msgs = chat_with_history(99)
+    resp = await s.chat(msgs)
+    assert resp.status == 200
+    true = len(tokens_of(render(msgs[:3], False)))  # what the served tokenizer would count
+    est = int(resp.headers["X-SMetric-Est-Hit"])
+    assert abs(est - true) <= 0.15 * true, (est, true)
+    assert s.gateway._reader is not None and s.gateway._reader.estimator.observations >= 6
 
 
 async def test_5xx_is_retried_once_on_another_instance(make_stack: StackFactory) -> None:
