@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -496,17 +496,16 @@ class VllmEventSubscriber:
         self._last_ts = batch.ts
 
     def _clear(self) -> None:
-        try:
-            self._sink.gpu_cleared(self.instance_id)
-        except Exception:
-            log.exception("vLLM events %s: sink failed to clear", self.instance_id)
-            self.stats.sink_errors += 1
+        self._tell_sink(self._sink.gpu_cleared, "clear")
 
     def _mark_stale(self) -> None:
+        self._tell_sink(self._sink.mark_stale, "mark stale")
+
+    def _tell_sink(self, call: Callable[[str], None], what: str) -> None:
         try:
-            self._sink.mark_stale(self.instance_id)
+            call(self.instance_id)
         except Exception:
-            log.exception("vLLM events %s: sink failed to mark stale", self.instance_id)
+            log.exception("vLLM events %s: sink failed to %s", self.instance_id, what)
             self.stats.sink_errors += 1
 
     async def _fill(self, start: int) -> None:

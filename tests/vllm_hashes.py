@@ -168,54 +168,17 @@ def vllm_digests(
     return out
 
 
-def vllm_chain(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    algo: str = "sha256_cbor",
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[int]:
-    """Block hashes exactly as vLLM 0.32 KV events report them (last 8 bytes,
-    big-endian, of each digest). Arguments as in :func:`vllm_digests`."""
-    digests = vllm_digests(
-        token_ids,
-        block_size,
-        algo=algo,
-        parent=parent,
-        none_hash_seed=none_hash_seed,
-        extra_keys=extra_keys,
-    )
-    return [int.from_bytes(d[-8:], "big") for d in digests]
+def vllm_chain(token_ids: TokenIds, block_size: int, **kw: Any) -> list[int]:
+    """Block hashes exactly as vLLM 0.32 KV events report them (last 8 bytes, big-endian, of each
+    digest). Arguments as in :func:`vllm_digests`."""
+    return [vllm_block_hash_from_digest(d) for d in vllm_digests(token_ids, block_size, **kw)]
 
 
-def vllm_sha256_cbor_digests(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[bytes]:
+def vllm_sha256_cbor_digests(token_ids: TokenIds, block_size: int, **kw: Any) -> list[bytes]:
     """32-byte digests of vLLM's sha256_cbor chain (see :func:`vllm_digests`)."""
-    return vllm_digests(
-        token_ids, block_size, parent=parent, none_hash_seed=none_hash_seed, extra_keys=extra_keys
-    )
+    return vllm_digests(token_ids, block_size, algo="sha256_cbor", **kw)
 
 
-def vllm_sha256_cbor_chain(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[int]:
-    """Block hashes as vLLM 0.32 KV events report them under sha256_cbor
-    (see :func:`vllm_digests`)."""
-    return vllm_chain(
-        token_ids, block_size, parent=parent, none_hash_seed=none_hash_seed, extra_keys=extra_keys
-    )
-
-
+def vllm_sha256_cbor_chain(token_ids: TokenIds, block_size: int, **kw: Any) -> list[int]:
+    """Event block hashes under sha256_cbor (see :func:`vllm_digests`)."""
+    return vllm_chain(token_ids, block_size, algo="sha256_cbor", **kw)
