@@ -20,7 +20,8 @@ try:
 except ImportError:  # Python 3.10
     from importlib.abc import Traversable
 
-from smetric_lmc.policy import POLICY_NAMES
+from smetric_lmc.policy import POLICY_NAMES as POLICY_NAMES  # re-exported: the CLI and simulator read it here
+from smetric_lmc.policy import policy_names
 
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -35,8 +36,9 @@ class PolicyConfig(_Cfg):
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
 
     def __post_init__(self) -> None:
-        if self.name not in POLICY_NAMES:
-            raise ValueError(f"name: unknown policy {self.name!r}; expected one of {', '.join(POLICY_NAMES)}")
+        names = policy_names()  # every registered policy, including ones registered after import
+        if self.name not in names:
+            raise ValueError(f"name: unknown policy {self.name!r}; expected one of {', '.join(names)}")
         if self.overload < 0:
             raise ValueError("overload must be >= 0")
         if not 0 <= self.hit_ratio <= 1:
