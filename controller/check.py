@@ -41,7 +41,7 @@ def describe(cfg: Config, source: str) -> list[str]:
         f"model: {cfg.model or '(any)'}   pd_mode: {cfg.pd_mode}",
         f"policy: {_kv(cfg.policy)}",
         "hashing:",
-        f"  GPU tier: block_size={h.block_size} vllm_hash_algo={h.vllm_hash_algo} "
+        f"  GPU tier: block_size={h.block_size} "
         f"fast chain root={fast_root(h.fast_namespace):#018x} (fast_namespace {h.fast_namespace!r})",
     ]
     if chunks:

@@ -24,8 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from smetric_lmc.router import Routed
-from smetric_lmc.wire import Reason
+from smetric_lmc.wire import Reason, RouteDecision, TurnSource
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +76,13 @@ class ControllerMetrics:
             registry=r,
         )
         self.errors = Counter("smetric_route_errors", "Error replies by code", ["code"], registry=r)
+        self.turn_sources = Counter(
+            "smetric_route_turn_source",
+            "Routes by where their turn came from: request (given), est_hit (none given, history size "
+            "given), index_follow_up / index_first_turn (none given, inferred from the index)",
+            ["source"],
+            registry=r,
+        )
         self.done = Counter("smetric_done_reports", "Done reports by whether they released load", ["released", "ok"], registry=r)
         self.latency = Histogram(
             "smetric_route_latency_seconds",
@@ -95,8 +101,9 @@ class ControllerMetrics:
         # Fallback series exist (at 0) from the start: "no fallbacks" reads 0, not "no data".
         for kind in (*_FALLBACK_KIND.values(), "index_not_ready"):
             self.fallbacks.labels(kind=kind)
+        self._turn_source = {t: self.turn_sources.labels(source=t.value) for t in TurnSource}
 
-    def observe_route(self, routed: Routed, latency_s: float, *, degraded: bool = False) -> None:
+    def observe_route(self, routed: RouteDecision, latency_s: float, *, degraded: bool = False) -> None:
         key = (routed.policy, routed.reason.value)
         child = self._decision_children.get(key)
         if child is None:
@@ -113,6 +120,7 @@ class ControllerMetrics:
             self.fallbacks.labels(kind=kind).inc()
         if degraded:
             self.fallbacks.labels(kind="index_not_ready").inc()
+        self._turn_source[routed.turn_source].inc()
         self._observe_latency(latency_s)
 
     def observe_error(self, code: str) -> None:

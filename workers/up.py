@@ -58,7 +58,7 @@ def controller_config(
     return {
         "model": model or engines[0].model,
         "policy": {"name": policy, **(policy_overrides or {})},
-        "hashing": {"block_size": block_sizes.pop(), "vllm_hash_algo": engines[0].spec.hash_algo},
+        "hashing": {"block_size": block_sizes.pop()},
         "instances": [
             {"id": e.instance_id, "http": e.http_url, "kv_events": e.kv_events_endpoint, "replay": e.replay_endpoint}
             for e in engines
@@ -171,7 +171,7 @@ def _pick(port: int) -> int:
 
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
     check_ports(args.host, {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port})
-    venv = launch.ensure_engine_venv()
+    venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
         venv.parent / "models" / "tiny-qwen2", python=python)
