@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -53,6 +55,14 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _malloc_trim() -> bool:
+    """Ask glibc to return freed heap pages: tells retained garbage from live state."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0) or True)
+    except OSError:
+        return False
 
 
 def rss_mb() -> float:
@@ -213,6 +223,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         lag_task.cancel()
         rss1 = rss_mb()
         got = received(app)  # before the valid route below adds one
+        gc.collect()
+        trimmed = rss1 - rss_mb() if _malloc_trim() else 0.0
+        state = {"index": {**app.index.sizes()}, "in_flight": len(app.load),
+                 "lmcache_workers": len(app.lmcache_server.workers())}
         unanswered = result["unanswered"]
         try:
             async with AsyncRouteClient(app.service.endpoint or "", timeout_s=5.0) as client:
@@ -229,6 +243,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "sent": {k: v for k, v in result.items() if k.startswith("sent_")},
             "received": got,
             "elapsed_s": round(elapsed, 1),
+            "rss_returned_by_malloc_trim_mb": round(trimmed, 1),
+            "state_after": state,
             "valid_route_after": valid_after,
             "dead_parts": dead,
             "internal_errors": internal,

@@ -75,6 +75,8 @@ class WorkerInfo:
 
 
 _SYNCING, _COMPLETED, _FAILED = "syncing", "completed", "failed"
+#: Messages handled per socket before yielding to the other tasks on the loop.
+YIELD_EVERY = 64
 #: Missing full-sync batches reported per status reply (the worker resends them and asks again).
 MISSING_WINDOW = 4096
 _FULL = "controller knows too many LMCache workers (limits.lmcache_max_workers)"
@@ -261,7 +263,13 @@ class LMCacheWorkerServer:
     async def _receive(self, name: str, label: str) -> AsyncIterator[list[bytes]]:
         """Messages from socket ``name`` until the server closes; receive errors are logged and skipped."""
         sock = self._socks[name]
+        n = 0
         while True:
+            n += 1
+            if n % YIELD_EVERY == 0:
+                # A queued message is returned without a trip through the event loop: a backlog
+                # would otherwise hold the loop (and every other socket) until it is drained.
+                await asyncio.sleep(0)
             try:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError as exc:

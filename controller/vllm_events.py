@@ -192,6 +192,28 @@ def _decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(raw.ts, [_decode_one(r) for r in raw.events], raw.data_parallel_rank)
 
 
+_SCALAR_SIZES = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def peek_event_count(payload: bytes) -> int | None:
+    """The length of a ``[ts, events, rank]`` payload's events array, read from the msgpack
+    headers without decoding anything; None when the payload does not start that way."""
+    if len(payload) < 3 or payload[0] not in (0x92, 0x93):
+        return None
+    b = payload[1]
+    i = 2 if (b < 0x80 or b >= 0xE0) else 1 + _SCALAR_SIZES.get(b, len(payload))
+    if i >= len(payload):
+        return None
+    h = payload[i]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h in (0xDC, 0xDD):
+        width = 2 if h == 0xDC else 4
+        if i + width < len(payload):
+            return int.from_bytes(payload[i + 1 : i + 1 + width], "big")
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Applying batches to the index.
 
@@ -425,8 +447,14 @@ class VllmEventSubscriber:
     async def run(self) -> None:
         """Receive and apply batches until ``close()``."""
         self._task = asyncio.current_task()
+        n = 0
         try:
             while not self._closing:
+                n += 1
+                if n % 64 == 0:
+                    # A queued batch is returned without a trip through the event loop: a
+                    # backlog would otherwise hold the loop until it is drained.
+                    await asyncio.sleep(0)
                 try:
                     frames = await self._sub.recv_multipart()
                 except zmq.ZMQError:
@@ -475,12 +503,19 @@ class VllmEventSubscriber:
             # SUBSCRIBE matches prefixes, so "kv" also lets "kv2" through.
             self.stats.other_topic += 1
             return None
+        seq = int.from_bytes(seq_bytes, "big")
+        announced = peek_event_count(payload)
+        if announced is not None and announced > self._max_events:
+            # Refused from its header: decoding it first would cost the whole frame.
+            self.stats.oversize_batches += 1
+            log.warning("vLLM events %s: batch %d announces %d events (limit %d); dropped",
+                        self.instance_id, seq, announced, self._max_events)
+            return None
         try:
             batch = decode_payload(payload)
         except PayloadError:
             self.stats.decode_errors += 1
             return None
-        seq = int.from_bytes(seq_bytes, "big")
         if len(batch.events) > self._max_events:
             # Applying part of it would leave the mirror wrong; skipping it is a gap.
             self.stats.oversize_batches += 1

@@ -271,6 +271,11 @@ async def test_events_per_batch_and_blocks_per_event_are_bounded() -> None:
         removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
         await pub.send([removed] * 101)
         await wait_for(lambda: sub.stats.oversize_batches == 1, what="oversize batch refused")
+        # Refused from its header alone: a frame announcing 10^9 events is never decoded.
+        claim = b"\x93\xcb" + b"\x00" * 8 + b"\xdd" + (10**9).to_bytes(4, "big") + b"\x90" * 10
+        await pub.sock.send_multipart([b"kv", (99).to_bytes(8, "big"), claim])
+        await wait_for(lambda: sub.stats.oversize_batches == 2, what="announced oversize batch refused")
+        assert sub.stats.decode_errors == 0
         await pub.send([_stored(list(range(1, 6)), [1] * 80), _stored([7], [2] * 16)])
         await wait_for(lambda: sub.stats.last_seq == 1, what="next batch")
         assert index.gpu_blocks_of("a") == 1 and sub.stats.events["malformed"] == 1
