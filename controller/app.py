@@ -245,6 +245,9 @@ class ControllerApp:
     def _spawn(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
         self._tasks.append(asyncio.create_task(self._supervise(name, run), name=name))
 
+    #: A part that ran this long before crashing had recovered: its restart backoff starts over.
+    RECOVERED_AFTER_S = 30.0
+
     async def _supervise(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
         # A part that crashes is restarted: the controller must outlive any one peer's damage.
         backoff = 0.5
@@ -256,7 +259,7 @@ class ControllerApp:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                if time.monotonic() - started > 30.0:  # it had recovered: a new crash starts over
+                if time.monotonic() - started > self.RECOVERED_AFTER_S:  # it had recovered: start over
                     backoff = 0.5
                 log.exception("controller: part crashed part=%s restart_in_s=%.1f", name, backoff)
                 await asyncio.sleep(backoff)
