@@ -90,18 +90,36 @@ def test_drop_instance_frees_its_slot_and_blocks():
 
 # ---- model-based: bisection over complete masks == walking a naive per-instance model -------
 class Naive:
-    """Per instance: the set of held blocks, contiguous from the root (a child needs its parent)."""
+    """Per instance: held blocks (contiguous from the root), the fresh part of them, runs waiting
+    for their parent, and pending routed prompts."""
 
     def __init__(self, parent):
         self.parent = parent
         self.held: dict[str, set[int]] = {}
+        self.fresh: dict[str, set[int]] = {}
+        self.waiting: dict[str, list[tuple[int, list[int]]]] = {}
+        self.pending: dict[str, dict[int, float]] = {}  # inst -> last block -> deadline
 
-    def store(self, inst, chain):
-        s = self.held.setdefault(inst, set())
-        first_parent = self.parent[chain[0]]
-        if first_parent is not None and first_parent not in s:
+    def store(self, inst, seg, now):
+        held = self.held.setdefault(inst, set())
+        fresh = self.fresh.setdefault(inst, set())
+        first_parent = self.parent[seg[0]]
+        if first_parent is not None and first_parent not in held:
+            self.waiting.setdefault(inst, []).append((first_parent, seg))
             return
-        s.update(chain)
+        held.update(seg)
+        fresh.update(seg)
+        x = first_parent
+        while x is not None:  # storing under a block proves its whole prefix is there
+            fresh.add(x)
+            x = self.parent[x]
+        for b in seg:
+            self.pending.get(inst, {}).pop(b, None)
+        for b in seg:  # runs waiting for one of these blocks
+            ready = [w for w in self.waiting.get(inst, []) if w[0] == b]
+            for w in ready:
+                self.waiting[inst].remove(w)
+                self.store(inst, w[1], now)
 
     def remove(self, inst, b):
         s = self.held.setdefault(inst, set())
@@ -112,16 +130,24 @@ class Naive:
             x = todo.pop()
             if x in s:
                 s.discard(x)
+                self.fresh[inst].discard(x)
                 todo.extend(k for k, p in self.parent.items() if p == x)
 
-    def hit(self, inst, chain):
-        s = self.held.get(inst, set())
+    def hit(self, inst, chain, which="held"):
+        s = getattr(self, which).get(inst, set())
         n = 0
         for h in chain:
             if h not in s:
                 break
             n += 1
         return n
+
+    def local(self, inst, chain, now):
+        best = self.hit(inst, chain)
+        for last, deadline in self.pending.get(inst, {}).items():
+            if deadline > now and last in chain:
+                best = max(best, chain.index(last) + 1)
+        return best
 
 
 def random_tree(rng, n_nodes):
@@ -142,38 +168,83 @@ def path_to(parent, node):
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32), st.integers(5, 60), st.integers(1, 5), st.integers(5, 80))
 def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
+    """Stores (orphans kept and adopted), removals, stale marks and their TTL, clears and pending
+    prompts against a naive model; the tree stays complete and linked throughout."""
     rng = random.Random(seed)
     parent = random_tree(rng, n_nodes)
-    ix = TierIndex(16, 16)
+    clock = [0.0]
+    ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, pending_ttl_s=5, orphan_ttl_s=1e9,
+                   sweep_rows=rng.choice([1, 4, 1 << 16]))
     naive = Naive(parent)
     insts = [f"i{k}" for k in range(n_inst)]
     for i in insts:
         ix.register_instance(i)
     nodes = list(parent)
+    stale_deadline: dict[str, float] = {}
     for _ in range(n_ops):
         inst = rng.choice(insts)
         node = rng.choice(nodes)
-        if rng.random() < 0.65:
+        op = rng.random()
+        if op < 0.5:
             p = path_to(parent, node)
             cut = rng.randrange(len(p))  # store a suffix of the path under its parent
             seg = p[cut:]
             ix.gpu_stored_hashes(inst, seg, p[cut - 1] if cut else None)
-            naive.store(inst, seg)
-        else:
+            naive.store(inst, seg, clock[0])
+        elif op < 0.7:
             ix.gpu_removed_hashes(inst, [node])
             naive.remove(inst, node)
+        elif op < 0.78:
+            ix.mark_stale(inst)
+            naive.fresh[inst] = set()
+            stale_deadline[inst] = clock[0] + 10
+        elif op < 0.85:
+            clock[0] += rng.choice([1, 4, 6, 11])
+            for i, d in list(stale_deadline.items()):
+                if d <= clock[0]:  # stale entries not stored again are dropped
+                    naive.held[i] = set(naive.fresh.get(i, set()))
+                    del stale_deadline[i]
+        elif op < 0.88:
+            ix.gpu_cleared(inst)
+            naive.held[inst], naive.fresh[inst], naive.waiting[inst] = set(), set(), []
+            naive.pending[inst] = {}
+            stale_deadline.pop(inst, None)
+        else:
+            p = path_to(parent, node)
+            if ix.add_pending(inst, p):
+                naive.pending.setdefault(inst, {})[p[-1]] = clock[0] + 5
+            else:
+                assert p[-1] in naive.held.get(inst, set())
+        for k in range(3 if rng.random() < 0.3 else 0):
+            ix.maintain()
         q = path_to(parent, rng.choice(nodes))
-        got = ix.lookup(q).gpu_blocks
-        assert got == [naive.hit(i, q) for i in insts]
+        found = ix.lookup(q)
+        assert found.gpu_blocks == [naive.hit(i, q) for i in insts]
+        assert found.stale_hit_tokens() == [16 * (naive.hit(i, q) - naive.hit(i, q, "fresh")) for i in insts]
+        assert found.local_hit_tokens() == [16 * naive.local(i, q, clock[0]) for i in insts]
     assert [ix.gpu_blocks_of(i) for i in insts] == [len(naive.held.get(i, ())) for i in insts]
-    # Completeness: a slot holding a block holds its parent; the tree links match the masks.
-    for h, m in ix._mask.items():
-        p = ix._parent.get(h)
-        assert m and (p is None or ix._mask[p] & m == m)
-        assert (p is None) == (parent[h] is None)
-    for p, k in ix._kid.items():
-        assert ix._parent[k] == p
-        assert all(ix._parent[x] == p for x in ix._more_kids.get(p, []))
+    assert [ix.is_stale(i) for i in insts] == [bool(naive.held.get(i, set()) - naive.fresh.get(i, set()))
+                                                 for i in insts]
+    # Completeness: a slot holding a block holds its parent; the child lists match the parents.
+    t = ix._tree
+    for r in range(1, len(t.key)):
+        if not t.key[r] or not t.mask(r):
+            continue
+        m, p = t.view[t.mid[r]], t.par[r]
+        assert p == 0 or t.view[t.mid[p]] & m == m
+        assert (p == 0) == (parent[t.key[r]] is None)
+        assert p == 0 or t.key[p] == parent[t.key[r]]
+        if p:
+            c, kids = t.kid[p], []
+            while c:
+                kids.append(c)
+                c = t.nxt[c]
+            assert r in kids
+    for _ in range(1000):  # bounded slices free every row emptied by bulk clears
+        if not t.garbage:
+            break
+        ix.maintain()
+    assert ix.sizes()["gpu_nodes"] == len(set().union(*naive.held.values()) if naive.held else set())
 
 
 def test_fixture_frames_predict_the_engines_cached_tokens(vllm_fixture):

@@ -1,0 +1,182 @@
+"""Short-lived per-instance records kept beside the tree: pending routed prompts and orphan runs."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+
+class Pending:
+    """Prompts routed to an instance whose blocks its engine has not reported yet.
+
+    A routed prompt is kept as (instance slot, its last block hash, its length, deadline): the
+    chain hash of the last block stands for the whole prefix, so a later prompt that extends it
+    (a follow-up) is recognised with one dict probe per distinct pending length. A partial overlap
+    is not credited until the engine's events land. The engine's store of that last block
+    confirms the entry; otherwise it expires at its deadline.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.by_last: dict[int, tuple[int, dict[int, float]]] = {}  # last hash -> (length, slot -> deadline)
+        self.lens: dict[int, int] = {}  # length -> entries of that length
+        self.queue: deque[tuple[float, int, int]] = deque()
+        self.added = self.confirmed = self.expired = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.by_last)
+
+    def add(self, slot: int, chain: Sequence[int], now: float) -> None:
+        last = chain[-1]
+        entry = self.by_last.get(last)
+        if entry is None:
+            entry = self.by_last[last] = (len(chain), {})
+            self.lens[len(chain)] = self.lens.get(len(chain), 0) + 1
+        deadline = now + self.ttl_s
+        entry[1][slot] = deadline
+        self.queue.append((deadline, slot, last))
+        self.added += 1
+
+    def _drop(self, last: int, slot: int) -> None:
+        length, slots = self.by_last[last]
+        del slots[slot]
+        if not slots:
+            del self.by_last[last]
+            left = self.lens[length] - 1
+            if left:
+                self.lens[length] = left
+            else:
+                del self.lens[length]
+
+    def confirm(self, slot: int, hashes: Sequence[int]) -> None:
+        get = self.by_last.get
+        for h in hashes:
+            entry = get(h)
+            if entry is not None and slot in entry[1]:
+                self._drop(h, slot)
+                self.confirmed += 1
+
+    def expire(self, now: float) -> None:
+        q = self.queue
+        while q and q[0][0] <= now:
+            deadline, slot, last = q.popleft()
+            entry = self.by_last.get(last)
+            if entry is not None and entry[1].get(slot) == deadline:
+                self._drop(last, slot)
+                self.expired += 1
+
+    def next_deadline(self) -> float:
+        return self.queue[0][0] if self.queue else float("inf")
+
+    def drop_slot(self, slot: int) -> None:
+        for last in [h for h, (_, slots) in self.by_last.items() if slot in slots]:
+            self._drop(last, slot)
+
+    def credits(self, chain: Sequence[int]) -> list[tuple[int, int]]:
+        """(slot, pending blocks) for every pending prompt ``chain`` extends."""
+        out: list[tuple[int, int]] = []
+        n = len(chain)
+        get = self.by_last.get
+        for length in self.lens:
+            if length <= n:
+                entry = get(chain[length - 1])
+                if entry is not None and entry[0] == length:
+                    out.extend((slot, length) for slot in entry[1])
+        return out
+
+
+class Orphans:
+    """Block runs stored under a parent the index does not know for that instance (a missed
+    event, or a controller that started after the engine). Each run waits, keyed by its parent,
+    until that parent is stored by the same instance, then is replayed; runs older than the TTL or
+    past the per-instance cap are dropped (counted)."""
+
+    def __init__(self, ttl_s: float, cap_blocks: int) -> None:
+        self.ttl_s = ttl_s
+        self.cap = cap_blocks
+        self.by_parent: dict[tuple[int, int], list[list[Any]]] = {}  # (slot, parent key) -> runs
+        self.by_hash: dict[tuple[int, int], list[Any]] = {}  # (slot, engine hash) -> run (removals)
+        self.blocks: dict[int, int] = {}  # slot -> blocks waiting
+        self.queue: deque[tuple[float, int, int, list[Any]]] = deque()
+        self.kept = self.adopted = self.dropped = 0
+
+    def waiting(self, slot: int) -> bool:
+        return self.blocks.get(slot, 0) > 0
+
+    def keep(self, slot: int, parent: int, run: list[Any], now: float) -> None:
+        """``run`` = [engine hashes or None, our hashes or None, token ids, lora name, extra keys]."""
+        self.by_parent.setdefault((slot, parent), []).append(run)
+        n = len(run[0] if run[0] is not None else run[1])
+        if run[0] is not None:
+            for e in run[0]:
+                self.by_hash[(slot, e)] = run
+        self.blocks[slot] = self.blocks.get(slot, 0) + n
+        self.kept += n
+        self.queue.append((now + self.ttl_s, slot, parent, run))
+        while self.blocks[slot] > self.cap and self.queue:
+            _, s, p, old = self.queue.popleft()
+            self._forget(s, p, old)
+
+    def take(self, slot: int, parent: int) -> list[list[Any]]:
+        runs = self.by_parent.pop((slot, parent), None)
+        if not runs:
+            return []
+        for run in runs:
+            n = self._unindex(slot, run)
+            self.adopted += n
+            run.append(None)  # marks it taken for the expiry queue
+        return runs
+
+    def _unindex(self, slot: int, run: list[Any]) -> int:
+        hashes = run[0] if run[0] is not None else run[1]
+        if run[0] is not None:
+            for e in run[0]:
+                if self.by_hash.get((slot, e)) is run:
+                    del self.by_hash[(slot, e)]
+        self.blocks[slot] -= len(hashes)
+        return len(hashes)
+
+    def _forget(self, slot: int, parent: int, run: list[Any]) -> None:
+        if len(run) > 5:  # already adopted
+            return
+        runs = self.by_parent.get((slot, parent))
+        if runs is None or not any(r is run for r in runs):
+            return
+        runs[:] = [r for r in runs if r is not run]
+        if not runs:
+            del self.by_parent[(slot, parent)]
+        self.dropped += self._unindex(slot, run)
+
+    def expire(self, now: float) -> None:
+        q = self.queue
+        while q and q[0][0] <= now:
+            _, slot, parent, run = q.popleft()
+            self._forget(slot, parent, run)
+
+    def next_deadline(self) -> float:
+        return self.queue[0][0] if self.queue else float("inf")
+
+    def removed(self, slot: int, e: int) -> bool:
+        """An engine removed block ``e`` of a waiting run: the run keeps only what precedes it."""
+        run = self.by_hash.get((slot, e))
+        if run is None:
+            return False
+        k = run[0].index(e)
+        for x in run[0][k:]:
+            del self.by_hash[(slot, x)]
+        dropped = len(run[0]) - k
+        self.blocks[slot] -= dropped
+        self.dropped += dropped
+        run[0] = run[0][:k]
+        run[2] = run[2][: len(run[2]) * k // (k + dropped)]
+        if run[4] is not None:
+            run[4] = run[4][:k]
+        return True
+
+    def drop_slot(self, slot: int) -> None:
+        for key in [k for k in self.by_parent if k[0] == slot]:
+            for run in self.by_parent.pop(key):
+                self.dropped += self._unindex(slot, run)
+                run.append(None)
+        self.blocks.pop(slot, None)

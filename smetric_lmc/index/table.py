@@ -1,0 +1,112 @@
+"""Open-addressing map from a 64-bit key column to row ids, with no per-entry Python objects.
+
+The keys live in a column owned by the caller (an ``array('Q')`` indexed by row id); this map only
+holds row ids in an ``array('I')`` of slots, 0 meaning empty (row 0 is never used). Linear
+probing runs *without* wrap-around: the slot array has a tail past its power-of-two home range,
+so a probe only ever moves forward. That makes two things cheap:
+
+* deletion by backward shift (no tombstones, so probe lengths never degrade), and
+* a vectorized rebuild on growth: with keys sorted by home slot, linear-probing positions are a
+  running maximum (``pos[i] = max(home[i], pos[i-1] + 1)``), one numpy pass for millions of keys.
+
+Scalar probes go through ``array`` indexing, which hands back Python ints without the cost of
+numpy scalar boxing; a route lookup does a few dozen of them.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+TAIL = 1024  # slots past the home range; an insert that would run off it grows the map
+MIN_BITS = 10
+
+
+def _home_np(keys: np.ndarray, mask: int) -> np.ndarray:
+    return (keys ^ (keys >> np.uint64(32))) & np.uint64(mask)
+
+
+class KeyIndex:
+    """Key -> row over ``keys`` (a column the caller appends rows to). Load factor kept <= 2/3."""
+
+    __slots__ = ("keys", "slots", "mask", "n")
+
+    def __init__(self, keys: array, bits: int = MIN_BITS) -> None:
+        self.keys = keys
+        self.mask = (1 << bits) - 1
+        self.slots = array("I", bytes(4 * (self.mask + 1 + TAIL)))
+        self.n = 0
+
+    def find(self, h: int) -> int:
+        """Row holding key ``h``, or 0."""
+        slots, keys = self.slots, self.keys
+        i = (h ^ (h >> 32)) & self.mask
+        r = slots[i]
+        while r:
+            if keys[r] == h:
+                return r
+            i += 1
+            r = slots[i]
+        return 0
+
+    def insert(self, h: int, row: int) -> None:
+        """Add ``row`` (whose key column already holds ``h``); the key must not be present."""
+        if 3 * (self.n + 1) > 2 * (self.mask + 1):
+            self._rebuild(self.mask.bit_length() + 1)
+        slots = self.slots
+        i = (h ^ (h >> 32)) & self.mask
+        end = len(slots) - 1
+        while slots[i]:
+            i += 1
+            if i == end:  # ran into the tail's last slot: grow (rare: needs a ~1000-long cluster)
+                self._rebuild(self.mask.bit_length() + 1)
+                self.insert(h, row)
+                return
+        slots[i] = row
+        self.n += 1
+
+    def delete(self, h: int) -> bool:
+        """Remove key ``h``; backward-shift the run behind it so no probe ever crosses a hole."""
+        slots, keys, mask = self.slots, self.keys, self.mask
+        i = (h ^ (h >> 32)) & mask
+        r = slots[i]
+        while r and keys[r] != h:
+            i += 1
+            r = slots[i]
+        if not r:
+            return False
+        j = i
+        while True:
+            j += 1
+            r = slots[j]
+            if not r:
+                break
+            k = keys[r]
+            if (k ^ (k >> 32)) & mask <= i:
+                slots[i] = r
+                i = j
+        slots[i] = 0
+        self.n -= 1
+        return True
+
+    def _rebuild(self, bits: int) -> None:
+        old = np.frombuffer(self.slots, dtype=np.uint32)
+        rows = old[old != 0].astype(np.int64)
+        del old
+        keys = np.frombuffer(self.keys, dtype=np.uint64)
+        while True:
+            mask = (1 << bits) - 1
+            home = _home_np(keys[rows], mask).astype(np.int64)
+            order = np.argsort(home, kind="stable")
+            home = home[order]
+            idx = np.arange(len(home), dtype=np.int64)
+            pos = np.maximum.accumulate(home - idx) + idx if len(home) else home
+            if not len(pos) or pos[-1] < mask + TAIL - 1:
+                break
+            bits += 1
+        new = np.zeros(mask + 1 + TAIL, dtype=np.uint32)
+        new[pos] = rows[order]
+        del keys
+        self.slots = array("I", new.tobytes())
+        self.mask = mask
