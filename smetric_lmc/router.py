@@ -61,7 +61,11 @@ class Router:
     ) -> Routed:
         """Decide where ``request_id`` goes and count it in flight there."""
         found = self.index.lookup(blocks, chunks)
-        return self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        routed = self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        if routed.instance_id is not None and blocks:
+            # A follow-up can arrive before this prompt's KV events: credit it there meanwhile.
+            self.index.add_pending(routed.instance_id, blocks)
+        return routed
 
     def decide(
         self,

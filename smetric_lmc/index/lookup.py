@@ -45,16 +45,30 @@ class Lookup:
         return self.global_chunks * self.chunk_size
 
 
-def bisect(chain: Sequence[int], get: Callable[[int], int]) -> Groups:
-    """Slots grouped by number of leading blocks held, given ``get(hash) -> mask`` monotone along
-    the chain: O(distinct hit lengths x log n) probes instead of a walk over the prompt."""
+def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmask: int, mid: Sequence[int],
+           view: Sequence[int]) -> Groups:
+    """Slots grouped by number of leading blocks held, by bisection over holder masks that are
+    monotone along the chain: O(distinct hit lengths x log n) probes instead of a walk over the
+    prompt. The key -> row probe of ``table.KeyIndex`` is inlined: this is the route's hot loop."""
     n = len(chain)
     if n == 0:
         return []
-    first = get(chain[0])
+    h = chain[0]
+    i = h & hmask
+    r = slots[i]
+    while r and keys[r] != h:
+        i += 1
+        r = slots[i]
+    first = view[mid[r]]
     if not first:
         return []
-    last = get(chain[n - 1])
+    h = chain[n - 1]
+    i = h & hmask
+    r = slots[i]
+    while r and keys[r] != h:
+        i += 1
+        r = slots[i]
+    last = view[mid[r]]
     groups: Groups = [(last, n)] if last else []
     # Invariant of each pending range (lo, hi): mask(lo) = mlo, mask(hi) = mhi, mlo ⊋ mhi.
     # Slots in mlo & ~mhi drop out somewhere in (lo, hi]; split until ranges are unit-wide.
@@ -65,12 +79,18 @@ def bisect(chain: Sequence[int], get: Callable[[int], int]) -> Groups:
         if hi - lo == 1:
             groups.append((mlo & ~mhi, hi))
             continue
-        mid = (lo + hi) >> 1
-        mm = get(chain[mid])
+        m = (lo + hi) >> 1
+        h = chain[m]
+        i = h & hmask
+        r = slots[i]
+        while r and keys[r] != h:
+            i += 1
+            r = slots[i]
+        mm = view[mid[r]]
         if mm != mlo:
-            push((lo, mlo, mid, mm))
+            push((lo, mlo, m, mm))
         if mm != mhi:
-            push((mid, mm, hi, mhi))
+            push((m, mm, hi, mhi))
     return groups
 
 

@@ -9,7 +9,8 @@ so a probe only ever moves forward. That makes two things cheap:
 * a vectorized rebuild on growth: with keys sorted by home slot, linear-probing positions are a
   running maximum (``pos[i] = max(home[i], pos[i-1] + 1)``), one numpy pass for millions of keys.
 
-Scalar probes go through ``array`` indexing, which hands back Python ints without the cost of
+Keys are chain hashes (xxh3, sha256 digests), uniform in their low bits, so a key's home slot is
+its low bits. Scalar probes go through ``array`` indexing, which hands back Python ints without the cost of
 numpy scalar boxing; a route lookup does a few dozen of them.
 """
 
@@ -24,7 +25,7 @@ MIN_BITS = 10
 
 
 def _home_np(keys: np.ndarray, mask: int) -> np.ndarray:
-    return (keys ^ (keys >> np.uint64(32))) & np.uint64(mask)
+    return keys & np.uint64(mask)
 
 
 class KeyIndex:
@@ -41,7 +42,7 @@ class KeyIndex:
     def find(self, h: int) -> int:
         """Row holding key ``h``, or 0."""
         slots, keys = self.slots, self.keys
-        i = (h ^ (h >> 32)) & self.mask
+        i = h & self.mask
         r = slots[i]
         while r:
             if keys[r] == h:
@@ -55,7 +56,7 @@ class KeyIndex:
         if 3 * (self.n + 1) > 2 * (self.mask + 1):
             self._rebuild(self.mask.bit_length() + 1)
         slots = self.slots
-        i = (h ^ (h >> 32)) & self.mask
+        i = h & self.mask
         end = len(slots) - 1
         while slots[i]:
             i += 1
@@ -69,7 +70,7 @@ class KeyIndex:
     def delete(self, h: int) -> bool:
         """Remove key ``h``; backward-shift the run behind it so no probe ever crosses a hole."""
         slots, keys, mask = self.slots, self.keys, self.mask
-        i = (h ^ (h >> 32)) & mask
+        i = h & mask
         r = slots[i]
         while r and keys[r] != h:
             i += 1
@@ -83,7 +84,7 @@ class KeyIndex:
             if not r:
                 break
             k = keys[r]
-            if (k ^ (k >> 32)) & mask <= i:
+            if k & mask <= i:
                 slots[i] = r
                 i = j
         slots[i] = 0

@@ -229,12 +229,14 @@ class TierIndex:
             self._exc[slot] = {e: h for e, h in exc.items() if tree.mask(tree.find(h)) & bit}
 
     # ---- GPU tier ----------------------------------------------------------------------------
-    def root_for(self, model: str | None) -> int:
+    def root_for(self, model: str | None, base: int | None = None) -> int:
         """Chain root a route for ``model`` hashes under: the adapter's root when ``model`` names
-        a LoRA adapter the engines reported (or :meth:`register_adapter` named), else the base."""
+        a LoRA adapter the engines reported (or :meth:`register_adapter` named), else the base
+        root (``base``, default this index's ``fast_root``)."""
+        base = self.fast_root if base is None else base
         if model and model in self._adapters:
-            return adapter_root(self.fast_root, model)
-        return self.fast_root
+            return adapter_root(base, model)
+        return base
 
     def register_adapter(self, name: str) -> None:
         self._adapters.add(name)
@@ -532,13 +534,12 @@ class TierIndex:
         pos, all_mask = self._pos, self._all_mask
         bs, cs = self.block_size, self.chunk_size
         tree = self._tree
-        find, mid, view = tree.rows.find, tree.mid, tree.view
-        gpu = bisect(blocks, lambda h: view[mid[find(h)]])
+        rows = tree.rows
+        gpu = bisect(blocks, rows.slots, tree.key, rows.mask, tree.mid, tree.view)
         local = expand(gpu, bs, pos, n, all_mask)
         stale = None
         if tree.fresh is not None and gpu:
-            fresh_view = tree.fresh
-            fresh = bisect(blocks, lambda h: fresh_view[mid[find(h)]])
+            fresh = bisect(blocks, rows.slots, tree.key, rows.mask, tree.mid, tree.fresh)
             stale = [a - b for a, b in zip(expand(gpu, 1, pos, n, all_mask), expand(fresh, 1, pos, n, all_mask))]
         if self._pending:
             for slot, length in self._pending.credits(blocks):
