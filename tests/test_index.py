@@ -441,3 +441,17 @@ def test_fixture_frames_predict_the_engines_cached_tokens(vllm_fixture):
             applied = seq
     assert checked >= 10
     assert ix.stats["gpu_orphans"] == 0 and ix.stats["gpu_unknown_removed"] == 0
+
+
+def test_pending_prompts_of_many_lengths_are_found_by_their_anchor():
+    ix, clock = clocked(3)
+    base = list(range(16 * 300))
+    chains = {n: fast_chain(base[: 16 * n], 16) for n in (1, 3, 63, 64, 100, 200)}
+    for k, n in enumerate(chains):
+        ix.add_pending(f"i{k % 3}", chains[n])
+    # i0 holds 1 and 64 blocks pending, i1 3 and 100, i2 63 and 200
+    want = {150: [16 * 64, 16 * 100, 16 * 63], 64: [16 * 64, 16 * 3, 16 * 63], 2: [16, 0, 0]}
+    for n, hits in want.items():
+        assert ix.lookup(fast_chain(base[: 16 * n], 16)).local_hit_tokens() == hits
+    other = fast_chain([7] * 16 + base[16:16 * 150], 16)  # diverges at block 0: nothing pending
+    assert ix.lookup(other).local_hit_tokens() == [0, 0, 0]

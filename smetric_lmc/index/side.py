@@ -7,20 +7,29 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def _anchor(length: int) -> int:
+    """Where a pending prompt of ``length`` blocks is filed: a multiple of 64 blocks (1k tokens
+    at 16-token blocks), or a power of two for short prompts. A query probes only the anchor
+    positions in use, at most 6 + n/64 of them, not every block."""
+    return length & ~63 if length >= 64 else 1 << (length.bit_length() - 1)
+
+
 class Pending:
     """Prompts routed to an instance whose blocks its engine has not reported yet.
 
     A routed prompt is kept as (instance slot, its last block hash, its length, deadline): the
-    chain hash of the last block stands for the whole prefix, so a later prompt that extends it
-    (a follow-up) is recognised with one dict probe per distinct pending length. A partial overlap
-    is not credited until the engine's events land. The engine's store of that last block
-    confirms the entry; otherwise it expires at its deadline.
+    chain hash of the last block stands for the whole prefix, so a later prompt extends it iff it
+    has that hash at that position. Candidates are found through the hash at the prompt's anchor
+    position (see ``_anchor``), then checked at their last block. A partial overlap is not
+    credited until the engine's events land. The engine's store of the last block confirms the
+    entry; otherwise it expires at its deadline.
     """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self.by_last: dict[int, tuple[int, dict[int, float]]] = {}  # last hash -> (length, slot -> deadline)
-        self.lens: dict[int, int] = {}  # length -> entries of that length
+        self.by_last: dict[int, tuple[int, dict[int, float], int]] = {}  # last -> (length, slot -> deadline, anchor hash)
+        self.by_anchor: dict[int, set[int]] = {}  # anchor block hash -> last hashes filed there
+        self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
         self.queue: deque[tuple[float, int, int]] = deque()
         self.added = self.confirmed = self.expired = 0
 
@@ -31,23 +40,31 @@ class Pending:
         last = chain[-1]
         entry = self.by_last.get(last)
         if entry is None:
-            entry = self.by_last[last] = (len(chain), {})
-            self.lens[len(chain)] = self.lens.get(len(chain), 0) + 1
+            pos = _anchor(len(chain))
+            entry = self.by_last[last] = (len(chain), {}, chain[pos - 1])
+            self.by_anchor.setdefault(chain[pos - 1], set()).add(last)
+            self.anchors[pos] = self.anchors.get(pos, 0) + 1
         deadline = now + self.ttl_s
         entry[1][slot] = deadline
         self.queue.append((deadline, slot, last))
         self.added += 1
 
     def _drop(self, last: int, slot: int) -> None:
-        length, slots = self.by_last[last]
+        length, slots, anchor = self.by_last[last]
         del slots[slot]
-        if not slots:
-            del self.by_last[last]
-            left = self.lens[length] - 1
-            if left:
-                self.lens[length] = left
-            else:
-                del self.lens[length]
+        if slots:
+            return
+        del self.by_last[last]
+        filed = self.by_anchor[anchor]
+        filed.discard(last)
+        if not filed:
+            del self.by_anchor[anchor]
+        pos = _anchor(length)
+        left = self.anchors[pos] - 1
+        if left:
+            self.anchors[pos] = left
+        else:
+            del self.anchors[pos]
 
     def confirm(self, slot: int, hashes: Sequence[int]) -> None:
         get = self.by_last.get
@@ -70,19 +87,22 @@ class Pending:
         return self.queue[0][0] if self.queue else float("inf")
 
     def drop_slot(self, slot: int) -> None:
-        for last in [h for h, (_, slots) in self.by_last.items() if slot in slots]:
+        for last in [h for h, (_, slots, _) in self.by_last.items() if slot in slots]:
             self._drop(last, slot)
 
     def credits(self, chain: Sequence[int]) -> list[tuple[int, int]]:
         """(slot, pending blocks) for every pending prompt ``chain`` extends."""
         out: list[tuple[int, int]] = []
         n = len(chain)
-        get = self.by_last.get
-        for length in self.lens:
-            if length <= n:
-                entry = get(chain[length - 1])
-                if entry is not None and entry[0] == length:
-                    out.extend((slot, length) for slot in entry[1])
+        by_anchor, by_last = self.by_anchor, self.by_last
+        for pos in self.anchors:
+            if pos <= n:
+                filed = by_anchor.get(chain[pos - 1])
+                if filed:
+                    for last in filed:
+                        length, slots, _ = by_last[last]
+                        if length <= n and chain[length - 1] == last:
+                            out.extend((slot, length) for slot in slots)
         return out
 
 
