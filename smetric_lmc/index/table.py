@@ -31,13 +31,18 @@ def _home_np(keys: np.ndarray, mask: int) -> np.ndarray:
 class KeyIndex:
     """Key -> row over ``keys`` (a column the caller appends rows to). Load factor kept <= 2/3."""
 
-    __slots__ = ("keys", "slots", "mask", "n")
+    __slots__ = ("keys", "slots", "mask", "n", "limit", "end")
 
     def __init__(self, keys: array, bits: int = MIN_BITS) -> None:
         self.keys = keys
-        self.mask = (1 << bits) - 1
-        self.slots = array("I", bytes(4 * (self.mask + 1 + TAIL)))
         self.n = 0
+        self._size(bits)
+        self.slots = array("I", bytes(4 * (self.mask + 1 + TAIL)))
+
+    def _size(self, bits: int) -> None:
+        self.mask = (1 << bits) - 1
+        self.limit = 2 * (self.mask + 1) // 3
+        self.end = self.mask + TAIL  # the last slot: an insert probing into it grows the map
 
     def find(self, h: int) -> int:
         """Row holding key ``h``, or 0."""
@@ -53,19 +58,36 @@ class KeyIndex:
 
     def insert(self, h: int, row: int) -> None:
         """Add ``row`` (whose key column already holds ``h``); the key must not be present."""
-        if 3 * (self.n + 1) > 2 * (self.mask + 1):
+        if self.n >= self.limit:
             self._rebuild(self.mask.bit_length() + 1)
         slots = self.slots
         i = h & self.mask
-        end = len(slots) - 1
         while slots[i]:
             i += 1
-            if i == end:  # ran into the tail's last slot: grow (rare: needs a ~1000-long cluster)
-                self._rebuild(self.mask.bit_length() + 1)
-                self.insert(h, row)
-                return
+        if i >= self.end:  # ran into the tail's last slot (needs a ~1000-long cluster): grow
+            self._rebuild(self.mask.bit_length() + 1)
+            self.insert(h, row)
+            return
         slots[i] = row
         self.n += 1
+
+    def add(self, h: int, row: int) -> bool:
+        """Insert unless ``h`` is present already (then False)."""
+        slots, keys = self.slots, self.keys
+        i = h & self.mask
+        r = slots[i]
+        while r:
+            if keys[r] == h:
+                return False
+            i += 1
+            r = slots[i]
+        if self.n >= self.limit or i >= self.end:
+            self._rebuild(self.mask.bit_length() + 1)
+            self.insert(h, row)
+            return True
+        slots[i] = row
+        self.n += 1
+        return True
 
     def delete(self, h: int) -> bool:
         """Remove key ``h``; backward-shift the run behind it so no probe ever crosses a hole."""
@@ -110,4 +132,4 @@ class KeyIndex:
         new[pos] = rows[order]
         del keys
         self.slots = array("I", new.tobytes())
-        self.mask = mask
+        self._size(bits)

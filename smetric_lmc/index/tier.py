@@ -349,10 +349,10 @@ class TierIndex:
         bit, sbit = self._bits(slot)
         rows = tree.store(bit, sbit, hashes, prow)
         if engine_hashes is not None:
-            set_alias = tree.set_alias
+            set_alias, eng = tree.set_alias, tree.eng
             exc = None
             for r, e, h in zip(rows, engine_hashes, hashes):
-                if not set_alias(r, e):  # this engine hashes these tokens differently
+                if eng[r] != e and not set_alias(r, e):  # this engine hashes these tokens differently
                     if exc is None:
                         exc = self._exc.setdefault(slot, {})
                     exc[e] = h
@@ -386,10 +386,17 @@ class TierIndex:
         if slot is None:
             return 0
         bit, sbit = self._bits(slot)
+        held = bit | sbit
         known = 0
         tree = self._tree
+        afind, mval, mid, exc = tree.alias.find, tree.mval, tree.mid, self._exc.get(slot)
         for e in block_hashes:
-            r = self._resolve(slot, e, bit | sbit)
+            if exc:
+                r = self._resolve(slot, e, held)
+            else:  # no aliases of its own: the shared map alone (the common case, inlined)
+                r = afind(e)
+                if r and not mval[mid[r]] & held:
+                    r = 0
             if not r:
                 if self._orphans.removed(slot, e):
                     known += 1

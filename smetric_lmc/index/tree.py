@@ -143,6 +143,7 @@ class GpuTree:
             r = self.free.pop()
             self.key[r] = h
             self.par[r] = parent
+            self.kid[r] = self.nxt[r] = self.prv[r] = 0
         else:
             r = len(self.key)
             self.key.append(h)
@@ -163,6 +164,7 @@ class GpuTree:
         return r
 
     def _delete(self, r: int) -> None:
+        """Free row ``r`` (its children are gone already). Link columns are reset on reuse."""
         p = self.par[r]
         if p:
             a, b = self.prv[r], self.nxt[r]
@@ -176,9 +178,15 @@ class GpuTree:
         e = self.eng[r]
         if e:
             self.alias.delete(e)
-        self._decref(self.mid[r])
-        self.key[r] = self.eng[r] = 0
-        self.mid[r] = self.par[r] = self.kid[r] = self.nxt[r] = self.prv[r] = 0
+            self.eng[r] = 0
+        i = self.mid[r]
+        if i:
+            left = self.mref[i] - 1
+            self.mref[i] = left
+            if not left:
+                self._decref(i, 0)
+            self.mid[r] = 0
+        self.key[r] = 0
         self.free.append(r)
         self.nodes -= 1
 
@@ -200,11 +208,11 @@ class GpuTree:
         cur = self.eng[r]
         if cur:
             return cur == e
-        if self.alias.find(e):
-            return False
         self.eng[r] = e
-        self.alias.insert(e, r)
-        return True
+        if self.alias.add(e, r):
+            return True
+        self.eng[r] = 0  # another row has that engine hash (another hash scheme's block)
+        return False
 
     # ---- per-slot updates -------------------------------------------------------------------------
     def refresh(self, r: int, bit: int, drop: int) -> None:
@@ -233,10 +241,28 @@ class GpuTree:
         add = rows.append
         solo = -1
         n_solo = added = undropped = 0
+        key, par, kid, nxt, prv, eng = self.key, self.par, self.kid, self.nxt, self.prv, self.eng
+        insert, free = self.rows.insert, self.free
         for h in hashes:
             r = find(h)
             if not r:
-                r = self._new_row(h, prev)
+                if free:
+                    r = self._new_row(h, prev)
+                else:  # _new_row inlined: the ingest hot path
+                    r = len(key)
+                    key.append(h)
+                    eng.append(0)
+                    mid.append(0)
+                    par.append(prev)
+                    nxt.append(kid[prev] if prev else 0)
+                    kid.append(0)
+                    prv.append(0)
+                    insert(h, r)
+                    if prev:
+                        if kid[prev]:
+                            prv[kid[prev]] = r
+                        kid[prev] = r
+                    self.nodes += 1
                 if solo < 0:
                     solo = self.intern(bit)
                     mval = self.mval
@@ -265,6 +291,20 @@ class GpuTree:
         Returns how many rows the slot lost."""
         bits = bit | drop
         mval, mid, kid, nxt = self.mval, self.mid, self.kid, self.nxt
+        if not kid[r]:  # a leaf: what eviction (tail first) removes nearly always
+            m = mval[mid[r]]
+            c = m & bits
+            if not c:
+                return 0
+            if c & bit:
+                self.count[bit] -= 1
+            if c & drop:
+                self.count[drop] -= 1
+            if m & ~bits:
+                self._set(r, m & ~bits)
+            else:
+                self._delete(r)
+            return 1
         stack, dead = [r], []
         n_bit = n_drop = 0
         while stack:
