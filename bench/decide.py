@@ -154,6 +154,7 @@ def main() -> None:
     time_us(gpu_only, queries[:200])  # warm up
     t_gpu = time_us(gpu_only, queries)
     t_all = time_us(all_tiers, queries)
+    t_lookup = time_us(lambda q: ix.lookup(q[1], q[2]).local_hit_tokens(), queries)  # the index's share
     tokens = [rng.randrange(150_000) for _ in range(PROMPT)]
     t_hash = []
     for _ in range(200):
@@ -164,6 +165,7 @@ def main() -> None:
 
     print(f"route decision, GPU tier (2048 blocks/prompt): p50 {pct(t_gpu, 50):.1f} us, p99 {pct(t_gpu, 99):.1f} us")
     print(f"route decision, GPU + LMCache + global tiers:  p50 {pct(t_all, 50):.1f} us, p99 {pct(t_all, 99):.1f} us")
+    print(f"  of which index lookup (all tiers):           p50 {pct(t_lookup, 50):.1f} us, p99 {pct(t_lookup, 99):.1f} us")
     print(f"token ids -> fast hashes, 32k tokens: median {statistics.median(t_hash):.3f} ms")
     print("targets: decide p50 <= 30 us, p99 <= 100 us; hashing <= 1 ms; <= 120 bytes per block")
     print(json.dumps({
@@ -171,6 +173,8 @@ def main() -> None:
         "decide_p99_us": round(pct(t_all, 99), 2),
         "decide_gpu_only_p50_us": round(pct(t_gpu, 50), 2),
         "decide_gpu_only_p99_us": round(pct(t_gpu, 99), 2),
+        "lookup_p50_us": round(pct(t_lookup, 50), 2),
+        "lookup_p99_us": round(pct(t_lookup, 99), 2),
         "hash_32k_ms": round(statistics.median(t_hash), 4),
         "bytes_per_block": round(per_block),
         "fill_blocks_per_s": round(sizes["gpu_nodes"] / fill_s),

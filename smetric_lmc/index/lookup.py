@@ -47,9 +47,10 @@ class Lookup:
 
 def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmask: int, mid: Sequence[int],
            view: Sequence[int]) -> Groups:
-    """Slots grouped by number of leading blocks held, by bisection over holder masks that are
-    monotone along the chain: O(distinct hit lengths x log n) probes instead of a walk over the
-    prompt. The key -> row probe of ``table.KeyIndex`` is inlined: this is the route's hot loop."""
+    """Slots grouped by number of leading blocks held, given holder masks that only shrink along
+    the chain: each distinct mask is a run, found by one binary search for its end, so a lookup
+    costs O(distinct hit lengths x log n) probes instead of a walk over the prompt. The key -> row
+    probe of ``table.KeyIndex`` is inlined: this is the route's hot loop."""
     n = len(chain)
     if n == 0:
         return []
@@ -59,8 +60,8 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
     while r and keys[r] != h:
         i += 1
         r = slots[i]
-    first = view[mid[r]]
-    if not first:
+    cur = view[mid[r]]
+    if not cur:
         return []
     h = chain[n - 1]
     i = h & hmask
@@ -69,28 +70,29 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
         i += 1
         r = slots[i]
     last = view[mid[r]]
-    groups: Groups = [(last, n)] if last else []
-    # Invariant of each pending range (lo, hi): mask(lo) = mlo, mask(hi) = mhi, mlo ⊋ mhi.
-    # Slots in mlo & ~mhi drop out somewhere in (lo, hi]; split until ranges are unit-wide.
-    stack = [(0, first, n - 1, last)] if first != last else []
-    pop, push = stack.pop, stack.append
-    while stack:
-        lo, mlo, hi, mhi = pop()
-        if hi - lo == 1:
-            groups.append((mlo & ~mhi, hi))
-            continue
-        m = (lo + hi) >> 1
-        h = chain[m]
-        i = h & hmask
-        r = slots[i]
-        while r and keys[r] != h:
-            i += 1
+    groups: Groups = []
+    lo = 0
+    while cur != last:
+        # mask(lo) == cur, mask(n - 1) != cur: find where the run of ``cur`` ends
+        hi, mhi = n - 1, last
+        while hi - lo > 1:
+            m = (lo + hi) >> 1
+            h = chain[m]
+            i = h & hmask
             r = slots[i]
-        mm = view[mid[r]]
-        if mm != mlo:
-            push((lo, mlo, m, mm))
-        if mm != mhi:
-            push((m, mm, hi, mhi))
+            while r and keys[r] != h:
+                i += 1
+                r = slots[i]
+            mm = view[mid[r]]
+            if mm == cur:
+                lo = m
+            else:
+                hi, mhi = m, mm
+        groups.append((cur & ~mhi, hi))  # slots that hold blocks 0..hi-1 but not block hi
+        cur, lo = mhi, hi
+        if not cur:
+            return groups
+    groups.append((cur, n))
     return groups
 
 
