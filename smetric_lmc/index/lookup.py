@@ -46,21 +46,23 @@ class Lookup:
 
 
 def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmask: int, mid: Sequence[int],
-           view: Sequence[int]) -> Groups:
+           view: Sequence[int], far: Sequence[int]) -> Groups:
     """Slots grouped by number of leading blocks held, given holder masks that only shrink along
-    the chain: each distinct mask is a run, found by one binary search for its end, so a lookup
-    costs O(distinct hit lengths x log n) probes instead of a walk over the prompt. The key -> row
-    probe of ``table.KeyIndex`` is inlined: this is the route's hot loop."""
+    the chain. Each distinct mask is a run whose end is found by probing where the run's first
+    row says its stored run ends (``far``, up to two hops), then by binary search in what is
+    left: O(distinct hit lengths x log n) probes at worst, a few per run when blocks were stored
+    as they are looked up. The key -> row probe of ``table.KeyIndex`` is inlined: this is the
+    route's hot loop."""
     n = len(chain)
     if n == 0:
         return []
     h = chain[0]
     i = h & hmask
-    r = slots[i]
-    while r and keys[r] != h:
+    rlo = slots[i]
+    while rlo and keys[rlo] != h:
         i += 1
-        r = slots[i]
-    cur = view[mid[r]]
+        rlo = slots[i]
+    cur = view[mid[rlo]]
     if not cur:
         return []
     h = chain[n - 1]
@@ -73,8 +75,37 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
     groups: Groups = []
     lo = 0
     while cur != last:
-        # mask(lo) == cur, mask(n - 1) != cur: find where the run of ``cur`` ends
-        hi, mhi = n - 1, last
+        # mask(lo) == cur (row rlo), mask(n - 1) != cur: find where the run of ``cur`` ends
+        hi, mhi, rhi = n - 1, last, r
+        for _ in range(2):
+            m = far[rlo] - 1  # the hinted last position of the run
+            if m <= lo or m >= hi:
+                break
+            h = chain[m]
+            i = h & hmask
+            r = slots[i]
+            while r and keys[r] != h:
+                i += 1
+                r = slots[i]
+            mm = view[mid[r]]
+            if mm != cur:
+                hi, mhi, rhi = m, mm, r
+                break
+            lo, rlo = m, r
+            m += 1
+            if m >= hi:
+                break
+            h = chain[m]
+            i = h & hmask
+            r = slots[i]
+            while r and keys[r] != h:
+                i += 1
+                r = slots[i]
+            mm = view[mid[r]]
+            if mm != cur:
+                hi, mhi, rhi = m, mm, r
+                break
+            lo, rlo = m, r
         while hi - lo > 1:
             m = (lo + hi) >> 1
             h = chain[m]
@@ -87,9 +118,9 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
             if mm == cur:
                 lo = m
             else:
-                hi, mhi = m, mm
+                hi, mhi, rhi = m, mm, r
         groups.append((cur & ~mhi, hi))  # slots that hold blocks 0..hi-1 but not block hi
-        cur, lo = mhi, hi
+        cur, lo, rlo = mhi, hi, rhi
         if not cur:
             return groups
     groups.append((cur, n))
