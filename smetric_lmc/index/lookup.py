@@ -46,10 +46,10 @@ class Lookup:
 
 
 def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmask: int, mid: Sequence[int],
-           view: Sequence[int], far: Sequence[int]) -> Groups:
+           view: Sequence[int], run: Sequence[int]) -> Groups:
     """Slots grouped by number of leading blocks held, given holder masks that only shrink along
     the chain. Each distinct mask is a run whose end is found by probing where the run's first
-    row says its stored run ends (``far``, up to two hops), then by binary search in what is
+    row says its stored run ends (``run``: blocks to that end; up to two hops), then by binary search in what is
     left: O(distinct hit lengths x log n) probes at worst, a few per run when blocks were stored
     as they are looked up. The key -> row probe of ``table.KeyIndex`` is inlined: this is the
     route's hot loop."""
@@ -78,7 +78,7 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
         # mask(lo) == cur (row rlo), mask(n - 1) != cur: find where the run of ``cur`` ends
         hi, mhi, rhi = n - 1, last, r
         for _ in range(2):
-            m = far[rlo] - 1  # the hinted last position of the run
+            m = lo + run[rlo] - 1  # the hinted last position of the run
             if m <= lo or m >= hi:
                 break
             h = chain[m]

@@ -3,9 +3,9 @@
 Row columns (``array``; row 0 is a sentinel, so 0 means "none" in every link column):
 ``key`` our chain hash, ``eng`` the engine hash first reported for it (0 = none), ``mid`` the id
 of its holder mask, ``par`` parent row, an intrusive doubly linked child list (``kid`` first
-child, ``nxt``/``prv`` siblings), ``dep`` the block's position in its chain and ``far`` a hint
-for lookups: the position just past the run of blocks stored (or re-masked) with it. A hint is
-only ever a place to probe first, so a stale one costs probes, never correctness.
+child, ``nxt``/``prv`` siblings), and ``run``, a hint for lookups: how many blocks from this
+one to the end of the run stored (or re-masked) in the same call. A hint is only ever a place to
+probe first, so a stale one costs probes, never correctness.
 :class:`KeyIndex` maps keys -> rows and engine hashes -> rows.
 
 Holder masks are interned: ``mval[id]`` is an int with one bit per slot, rows store the id. Few
@@ -40,8 +40,7 @@ class GpuTree:
         self.kid = array("I", [0])
         self.nxt = array("I", [0])
         self.prv = array("I", [0])
-        self.dep = array("I", [0])  # position in its chain (0 = first block)
-        self.far = array("I", [0])  # hint: the position just past the stored run this row is in
+        self.run = array("I", [0])  # hint: blocks from this row to the end of the run stored with it
         self.free = array("I")
         self.rows = KeyIndex(self.key)
         self.alias = KeyIndex(self.eng)
@@ -144,13 +143,12 @@ class GpuTree:
         return self.rows.find(h)
 
     def _new_row(self, h: int, parent: int) -> int:
-        depth = self.dep[parent] + 1 if parent else 0
         if self.free:
             r = self.free.pop()
             self.key[r] = h
             self.par[r] = parent
             self.kid[r] = self.nxt[r] = self.prv[r] = 0
-            self.dep[r] = self.far[r] = depth
+            self.run[r] = 1
         else:
             r = len(self.key)
             self.key.append(h)
@@ -160,8 +158,7 @@ class GpuTree:
             self.kid.append(0)
             self.nxt.append(0)
             self.prv.append(0)
-            self.dep.append(depth)
-            self.far.append(depth)
+            self.run.append(1)
         self.rows.insert(h, r)
         if parent:
             first = self.kid[parent]
@@ -251,16 +248,15 @@ class GpuTree:
         solo = -1
         n_solo = added = undropped = 0
         key, par, kid, nxt, prv, eng = self.key, self.par, self.kid, self.nxt, self.prv, self.eng
-        dep, far = self.dep, self.far
+        run = self.run
         insert, free = self.rows.insert, self.free
-        depth = dep[prev] + 1 if prev else 0
-        end = depth + len(hashes)
+        left = len(hashes)  # blocks from this one to the end of the call's run
         for h in hashes:
             r = find(h)
             if not r:
                 if free:
                     r = self._new_row(h, prev)
-                    far[r] = end
+                    run[r] = left
                 else:  # _new_row inlined: the ingest hot path
                     r = len(key)
                     key.append(h)
@@ -270,8 +266,7 @@ class GpuTree:
                     nxt.append(kid[prev] if prev else 0)
                     kid.append(0)
                     prv.append(0)
-                    dep.append(depth)
-                    far.append(end)
+                    run.append(left)
                     insert(h, r)
                     if prev:
                         if kid[prev]:
@@ -291,10 +286,10 @@ class GpuTree:
                     if m & drop:
                         undropped += 1
                     self._set(r, (m | bit) & ~drop)
-                    far[r] = end
+                    run[r] = left
             add(r)
             prev = r
-            depth += 1
+            left -= 1
         if n_solo:
             mref[solo] += n_solo
         count = self.count
