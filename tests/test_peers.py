@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from lmcache_venv import require_lmcache_python
 
 _spec = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "bench" / "peers.py")

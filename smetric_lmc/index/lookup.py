@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from smetric_lmc.index.table import KeyIndex
+
 Groups = list[tuple[int, int]]  # (slot mask, hit length): disjoint masks, one per distinct hit
 
 
@@ -45,70 +47,38 @@ class Lookup:
         return self.global_chunks * self.chunk_size
 
 
-def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmask: int, mid: Sequence[int],
-           view: Sequence[int], run: Sequence[int]) -> Groups:
+def bisect(chain: Sequence[int], rows: KeyIndex, mid: Sequence[int], view: Sequence[int],
+           run: Sequence[int]) -> Groups:
     """Slots grouped by number of leading blocks held, given holder masks that only shrink along
-    the chain. Each distinct mask is a run whose end is found by probing where the run's first
-    row says its stored run ends (``run``: blocks to that end; up to two hops), then by binary search in what is
-    left: O(distinct hit lengths x log n) probes at worst, a few per run when blocks were stored
-    as they are looked up. The key -> row probe of ``table.KeyIndex`` is inlined: this is the
-    route's hot loop."""
+    the chain. Each distinct mask is a run of positions; its end is first sought where the stored
+    blocks say their run ends (``run``: blocks from a row to the end of the run stored with it,
+    a few hops), then by binary search in what is left. O(distinct hit lengths x log n) probes at
+    worst, a few per distinct hit when blocks were stored as they are looked up."""
     n = len(chain)
     if n == 0:
         return []
-    h = chain[0]
-    i = h & hmask
-    rlo = slots[i]
-    while rlo and keys[rlo] != h:
-        i += 1
-        rlo = slots[i]
+    rlo = rows.find(chain[0])
     cur = view[mid[rlo]]
     if not cur:
         return []
-    h = chain[n - 1]
-    i = h & hmask
-    r = slots[i]
-    while r and keys[r] != h:
-        i += 1
-        r = slots[i]
+    r = rows.find(chain[n - 1])
     last = view[mid[r]]
+    slots, keys, hmask = rows.slots, rows.keys, rows.mask
     groups: Groups = []
     lo = 0
     while cur != last:
-        # mask(lo) == cur (row rlo), mask(n - 1) != cur: find where the run of ``cur`` ends
+        # mask(lo) == cur (row rlo), mask(hi) == mhi != cur: find where the run of ``cur`` ends
         hi, mhi, rhi = n - 1, last, r
-        for _ in range(2):
-            m = lo + run[rlo] - 1  # the hinted last position of the run
-            if m <= lo or m >= hi:
-                break
-            h = chain[m]
-            i = h & hmask
-            r = slots[i]
-            while r and keys[r] != h:
-                i += 1
-                r = slots[i]
-            mm = view[mid[r]]
-            if mm != cur:
-                hi, mhi, rhi = m, mm, r
-                break
-            lo, rlo = m, r
-            m += 1
-            if m >= hi:
-                break
-            h = chain[m]
-            i = h & hmask
-            r = slots[i]
-            while r and keys[r] != h:
-                i += 1
-                r = slots[i]
-            mm = view[mid[r]]
-            if mm != cur:
-                hi, mhi, rhi = m, mm, r
-                break
-            lo, rlo = m, r
+        hops = 4
         while hi - lo > 1:
-            m = (lo + hi) >> 1
-            h = chain[m]
+            if hops:  # the hinted end of the stored run, or the block after it when lo is that end
+                hops -= 1
+                m = lo + (run[rlo] - 1 or 1)
+                if not lo < m < hi:
+                    m, hops = (lo + hi) >> 1, 0
+            else:
+                m = (lo + hi) >> 1
+            h = chain[m]  # KeyIndex.find, inlined: this is the route's hot loop
             i = h & hmask
             r = slots[i]
             while r and keys[r] != h:
@@ -116,9 +86,9 @@ def bisect(chain: Sequence[int], slots: Sequence[int], keys: Sequence[int], hmas
                 r = slots[i]
             mm = view[mid[r]]
             if mm == cur:
-                lo = m
+                lo, rlo = m, r
             else:
-                hi, mhi, rhi = m, mm, r
+                hi, mhi, rhi, hops = m, mm, r, 0
         groups.append((cur & ~mhi, hi))  # slots that hold blocks 0..hi-1 but not block hi
         cur, lo, rlo = mhi, hi, rhi
         if not cur:

@@ -44,61 +44,43 @@ class KeyIndex:
         self.limit = 2 * (self.mask + 1) // 3
         self.end = self.mask + TAIL  # the last slot: an insert probing into it grows the map
 
-    def find(self, h: int) -> int:
-        """Row holding key ``h``, or 0."""
+    def locate(self, h: int) -> tuple[int, int]:
+        """(slot, row) of key ``h``; when absent, row 0 and the empty slot that ends its probe."""
         slots, keys = self.slots, self.keys
         i = h & self.mask
         r = slots[i]
-        while r:
-            if keys[r] == h:
-                return r
+        while r and keys[r] != h:
             i += 1
             r = slots[i]
-        return 0
+        return i, r
+
+    def find(self, h: int) -> int:
+        """Row holding key ``h``, or 0."""
+        return self.locate(h)[1]
 
     def insert(self, h: int, row: int) -> None:
         """Add ``row`` (whose key column already holds ``h``); the key must not be present."""
-        if self.n >= self.limit:
-            self._rebuild(self.mask.bit_length() + 1)
-        slots = self.slots
-        i = h & self.mask
-        while slots[i]:
-            i += 1
-        if i >= self.end:  # ran into the tail's last slot (needs a ~1000-long cluster): grow
-            self._rebuild(self.mask.bit_length() + 1)
-            self.insert(h, row)
-            return
-        slots[i] = row
-        self.n += 1
+        self.add(h, row)
 
     def add(self, h: int, row: int) -> bool:
         """Insert unless ``h`` is present already (then False)."""
-        slots, keys = self.slots, self.keys
-        i = h & self.mask
-        r = slots[i]
-        while r:
-            if keys[r] == h:
-                return False
-            i += 1
-            r = slots[i]
+        i, r = self.locate(h)
+        if r:
+            return False
         if self.n >= self.limit or i >= self.end:
             self._rebuild(self.mask.bit_length() + 1)
             self.insert(h, row)
             return True
-        slots[i] = row
+        self.slots[i] = row
         self.n += 1
         return True
 
     def delete(self, h: int) -> bool:
         """Remove key ``h``; backward-shift the run behind it so no probe ever crosses a hole."""
-        slots, keys, mask = self.slots, self.keys, self.mask
-        i = h & mask
-        r = slots[i]
-        while r and keys[r] != h:
-            i += 1
-            r = slots[i]
+        i, r = self.locate(h)
         if not r:
             return False
+        slots, keys, mask = self.slots, self.keys, self.mask
         j = i
         while True:
             j += 1

@@ -542,11 +542,11 @@ class TierIndex:
         bs, cs = self.block_size, self.chunk_size
         tree = self._tree
         rows = tree.rows
-        gpu = bisect(blocks, rows.slots, tree.key, rows.mask, tree.mid, tree.view, tree.run)
+        gpu = bisect(blocks, rows, tree.mid, tree.view, tree.run)
         local = expand(gpu, bs, pos, n, all_mask)
         stale = None
         if tree.fresh is not None and gpu:
-            fresh = bisect(blocks, rows.slots, tree.key, rows.mask, tree.mid, tree.fresh, tree.run)
+            fresh = bisect(blocks, rows, tree.mid, tree.fresh, tree.run)
             stale = [a - b for a, b in zip(expand(gpu, 1, pos, n, all_mask), expand(fresh, 1, pos, n, all_mask))]
         if self._pending:
             for slot, length in self._pending.credits(blocks):
