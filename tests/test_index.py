@@ -455,3 +455,15 @@ def test_pending_prompts_of_many_lengths_are_found_by_their_anchor():
         assert ix.lookup(fast_chain(base[: 16 * n], 16)).local_hit_tokens() == hits
     other = fast_chain([7] * 16 + base[16:16 * 150], 16)  # diverges at block 0: nothing pending
     assert ix.lookup(other).local_hit_tokens() == [0, 0, 0]
+
+
+def test_a_long_chain_of_orphan_runs_is_adopted_without_recursion():
+    """After a gap, every later event of the sequence is an orphan (one run per decode step)."""
+    ix, clock = clocked(orphan_cap_blocks=10_000)
+    toks = list(range(16 * 3000))
+    for j in range(1, 3000):  # blocks 1.. arrive one event each; block 0's event was lost
+        ix.gpu_stored("i0", [j + 1], j, toks[16 * j:16 * (j + 1)], 16)
+    assert ix.stats["gpu_orphans_waiting"] == 2999
+    ix.gpu_stored("i0", [1], None, toks[:16], 16)
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [3000, 0]
+    assert ix.stats["gpu_orphans_adopted"] == 2999

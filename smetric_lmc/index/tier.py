@@ -61,6 +61,8 @@ class TierIndex:
         self._stale: dict[int, tuple[int, float]] = {}  # instance slot -> (stale slot, deadline)
         self._exc: dict[int, dict[int, int]] = {}  # slot -> {engine hash: our hash} where not shared
         self._adapters: set[str] = set()
+        self._adoptable: list[tuple[int, Sequence[int], Sequence[int] | None]] = []
+        self._adopting = False
         self._due = float("inf")
         self._lmc: dict[int, int] = {}  # chunk hash -> slot mask
         self._global: set[int] = set()
@@ -360,15 +362,24 @@ class TierIndex:
             self._pending.confirm(slot, hashes)
         self._counts["gpu_stored"] += len(hashes)
         if self._orphans.waiting(slot):
-            self._adopt(slot, hashes, engine_hashes)
+            # Replays store again and may free further runs: a work queue, not recursion, since
+            # a gap can leave a chain of hundreds of runs (one per decode step) waiting.
+            self._adoptable.append((slot, hashes, engine_hashes))
+            if not self._adopting:
+                self._adopting = True
+                try:
+                    while self._adoptable:
+                        self._adopt(*self._adoptable.pop())
+                finally:
+                    self._adopting = False
         return len(hashes)
 
     def _adopt(self, slot: int, hashes: Sequence[int], engine_hashes: Sequence[int] | None) -> None:
         """Replay runs that were waiting for one of these blocks as their parent."""
         iid = self._order[self._pos[slot]]
-        todo = [(h, e) for h, e in zip(hashes, engine_hashes or [None] * len(hashes))]
-        while todo and self._orphans.waiting(slot):
-            h, e = todo.pop()
+        for h, e in zip(hashes, engine_hashes or [None] * len(hashes)):
+            if not self._orphans.waiting(slot):
+                return
             runs = self._orphans.take(slot, h)
             if e is not None:
                 runs += self._orphans.take(slot, e)
