@@ -51,8 +51,9 @@ with ``lora_name`` / ``extra_keys`` / ``lora_id``), ``gpu_stored_hashes`` / ``gp
 ``gpu_block_counts``, ``sizes``, ``stats``.
 
 Storage (see ``tree``): GPU blocks are rows of array columns behind an open-addressing map, holder
-masks are interned ids, about 50 bytes per block with engine aliases. A lookup finds every
-instance's hit length by bisection over monotone masks, O(distinct hit lengths x log n) probes. The
+masks are interned ids: 55-75 bytes per block with engine aliases (``bench/peers.py``). A lookup
+finds every instance's hit length over monotone masks, probing first where each run was stored to
+end, then by bisection: O(distinct hit lengths x log n) probes at worst. The
 LMCache spaces learn no parent links and LRU evicts a sequence's first chunks first, so their
 lookups walk the chain (chunks are 16x coarser). LMCache's own controller credits a chunk to its
 first registered holder only; here every holder is kept, so each instance's prefix is exact.
