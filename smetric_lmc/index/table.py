@@ -58,21 +58,24 @@ class KeyIndex:
         """Row holding key ``h``, or 0."""
         return self.locate(h)[1]
 
-    def insert(self, h: int, row: int) -> None:
-        """Add ``row`` (whose key column already holds ``h``); the key must not be present."""
-        self.add(h, row)
+    def put(self, i: int, h: int, row: int) -> None:
+        """Insert ``row`` (whose key column holds ``h``) at slot ``i``, which ``locate(h)`` just
+        returned for the absent key (saves probing twice on the ingest path)."""
+        if self.n >= self.limit or i >= self.end:
+            while True:  # grow; a probe run into the tail's last slot needs a ~1000-long cluster
+                self._rebuild(self.mask.bit_length() + 1)
+                i = self.locate(h)[0]
+                if i < self.end:
+                    break
+        self.slots[i] = row
+        self.n += 1
 
     def add(self, h: int, row: int) -> bool:
-        """Insert unless ``h`` is present already (then False)."""
+        """Insert ``row`` under ``h`` unless ``h`` is present already (then False)."""
         i, r = self.locate(h)
         if r:
             return False
-        if self.n >= self.limit or i >= self.end:
-            self._rebuild(self.mask.bit_length() + 1)
-            self.insert(h, row)
-            return True
-        self.slots[i] = row
-        self.n += 1
+        self.put(i, h, row)
         return True
 
     def delete(self, h: int) -> bool:

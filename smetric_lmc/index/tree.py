@@ -142,33 +142,6 @@ class GpuTree:
     def find(self, h: int) -> int:
         return self.rows.find(h)
 
-    def _new_row(self, h: int, parent: int) -> int:
-        if self.free:
-            r = self.free.pop()
-            self.key[r] = h
-            self.par[r] = parent
-            self.kid[r] = self.nxt[r] = self.prv[r] = 0
-            self.run[r] = 1
-        else:
-            r = len(self.key)
-            self.key.append(h)
-            self.eng.append(0)
-            self.mid.append(0)
-            self.par.append(parent)
-            self.kid.append(0)
-            self.nxt.append(0)
-            self.prv.append(0)
-            self.run.append(1)
-        self.rows.insert(h, r)
-        if parent:
-            first = self.kid[parent]
-            self.nxt[r] = first
-            if first:
-                self.prv[first] = r
-            self.kid[parent] = r
-        self.nodes += 1
-        return r
-
     def _delete(self, r: int) -> None:
         """Free row ``r`` (its children are gone already). Link columns are reset on reuse."""
         p = self.par[r]
@@ -241,23 +214,26 @@ class GpuTree:
         row ``prev`` (0 = root), which the caller checked ``bit`` or ``drop`` holds."""
         if prev:
             self.refresh(prev, bit, drop)
-        find = self.rows.find
         mval, mid, mref = self.mval, self.mid, self.mref
         rows: list[int] = []
         add = rows.append
         solo = -1
         n_solo = added = undropped = 0
         key, par, kid, nxt, prv, eng = self.key, self.par, self.kid, self.nxt, self.prv, self.eng
-        run = self.run
-        insert, free = self.rows.insert, self.free
+        run, free = self.run, self.free
+        locate, put = self.rows.locate, self.rows.put
         left = len(hashes)  # blocks from this one to the end of the call's run
         for h in hashes:
-            r = find(h)
-            if not r:
+            i, r = locate(h)
+            if not r:  # a new row: a free one or appended; inserted at the slot the probe ended on
                 if free:
-                    r = self._new_row(h, prev)
+                    r = free.pop()
+                    key[r] = h
+                    par[r] = prev
+                    kid[r] = prv[r] = 0
+                    nxt[r] = kid[prev] if prev else 0
                     run[r] = left
-                else:  # _new_row inlined: the ingest hot path
+                else:
                     r = len(key)
                     key.append(h)
                     eng.append(0)
@@ -267,12 +243,12 @@ class GpuTree:
                     kid.append(0)
                     prv.append(0)
                     run.append(left)
-                    insert(h, r)
-                    if prev:
-                        if kid[prev]:
-                            prv[kid[prev]] = r
-                        kid[prev] = r
-                    self.nodes += 1
+                put(i, h, r)
+                if prev:
+                    if kid[prev]:
+                        prv[kid[prev]] = r
+                    kid[prev] = r
+                self.nodes += 1
                 if solo < 0:
                     solo = self.intern(bit)
                     mval = self.mval
