@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,20 +26,23 @@ import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, PolicyConfig
 from smetric_lmc.controller.tasks import cancel_and_wait
-from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
+from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
-from smetric_lmc.router import Routed, Router
+from smetric_lmc.router import Router
 from smetric_lmc.wire import (
     MAX_FRAME_BYTES,
     DoneAck,
     DoneReport,
     ErrorReply,
+    HashChain,
     HealthReply,
     HealthRequest,
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -59,28 +61,13 @@ MAX_REQUEST_ID_CHARS = 512
 MAX_ENVELOPE_FRAMES = 8
 
 
-@dataclass(frozen=True, slots=True)
-class HashSettings:
-    """How the controller turns a prompt into the index's hash spaces."""
-
-    block_size: int
-    fast_root: int
-    chunk_size: int = 256
-    lmcache_algo: str = "builtin"  # "builtin" | "sha256_cbor"
-    lmcache_root: int = 0
-    want_chunks: bool = False  # LMCache local tier or a global tier is indexed
-
-    @property
-    def lmcache_scheme(self) -> str:
-        return f"lmcache_{self.lmcache_algo}"
-
-
 class RouteCore:
     """Answers decoded requests. Never raises: every failure becomes an ``ErrorReply``.
 
     The owner (the controller app) supplies the parts it alone knows through callables:
-    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and keeps
-    ``routable`` in sync with the index (a routable instance is one registered in the index).
+    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and tells it
+    which instances are silent (``set_silent``): a routable instance is one registered in the
+    index, not silent, and (in PD disaggregation) prefill-capable.
     """
 
     def __init__(
@@ -105,15 +92,20 @@ class RouteCore:
         self.disaggregated = disaggregated
         self._instances: dict[str, InstanceConfig] = {i.id: i for i in instances}
         # In PD disaggregation only prefill-capable instances take new requests.
-        self.candidates: list[str] | None = (
-            [i.id for i in instances if i.role in ("prefill", "both")] if disaggregated else None
+        self._roles_ok: frozenset[str] | None = (
+            frozenset(i.id for i in instances if i.role in ("prefill", "both")) if disaggregated else None
         )
+        self._silent: frozenset[str] = frozenset()
+        # None routes over every registered instance (the fast path); a list narrows it.
+        self.candidates: list[str] | None = None
+        self._update_candidates()
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
         self.counters: dict[str, int] = {
             "route": 0,
             "done": 0,
+            "prefilled": 0,
             "stats": 0,
             "health": 0,
             "instances": 0,
@@ -121,6 +113,7 @@ class RouteCore:
             "no_instance": 0,
             "errors": 0,
             "internal_errors": 0,
+            "hash_mismatch": 0,
         }
         self.errors_by_code: dict[str, int] = {}
 
@@ -134,6 +127,18 @@ class RouteCore:
                 self._ready = True
                 log.info("index ready: routing with policy=%s", self.router.policy_cfg.name)
         return self._ready
+
+    def set_silent(self, silent: set[str] | frozenset[str]) -> None:
+        """Instances that keep their index but take no new requests (silent past the timeout)."""
+        self._silent = frozenset(silent)
+        self._update_candidates()
+
+    def _update_candidates(self) -> None:
+        if self._roles_ok is None and not self._silent:
+            self.candidates = None
+            return
+        ids = [i for i in self._instances if i not in self._silent]
+        self.candidates = [i for i in ids if self._roles_ok is None or i in self._roles_ok]
 
     def endpoint_of(self, instance_id: str) -> str | None:
         inst = self._instances.get(instance_id)
@@ -175,11 +180,15 @@ class RouteCore:
         log.debug("route service: error code=%s request_id=%s message=%s", code, request_id, message)
         return ErrorReply(code=code, message=message[:1000], request_id=request_id)
 
-    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, Routed | None]:
+    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, RouteDecision | None]:
         if isinstance(req, RouteRequest):
             return self._route(req)
         if isinstance(req, DoneReport):
             return self._done(req), None
+        if isinstance(req, PrefilledReport):
+            self.counters["prefilled"] += 1
+            _check_request_id(req.request_id)
+            return PrefilledAck(request_id=req.request_id, applied=self.load.on_prefilled(req.request_id)), None
         if isinstance(req, StatsRequest):
             self.counters["stats"] += 1
             return StatsReply(stats=self.stats()), None
@@ -192,7 +201,7 @@ class RouteCore:
         raise WireError("bad_request", f"unsupported message {type(req).__name__}")
 
     # ---- route / done ---------------------------------------------------------------------------
-    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, Routed | None]:
+    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, RouteDecision | None]:
         self.counters["route"] += 1
         _check_request_id(req.request_id)
         blocks, chunks, n_tokens = self._hashes(req)
@@ -216,25 +225,12 @@ class RouteCore:
             est_hit=req.est_hit_tokens,
             candidates=self.candidates,
         )
-        endpoint = None
         if routed.instance_id is None:
             self.counters["no_instance"] += 1
         else:
-            endpoint = self.endpoint_of(routed.instance_id)
-        decision = RouteDecision(
-            request_id=req.request_id,
-            instance_id=routed.instance_id,
-            endpoint=endpoint,
-            reason=routed.reason,
-            policy=routed.policy,
-            local_hit_tokens=routed.local_hit_tokens,
-            global_hit_tokens=routed.global_hit_tokens,
-            est_hit_tokens=routed.est_hit_tokens,
-            turn=routed.turn,
-            prompt_tokens=routed.prompt_tokens,
-            load=routed.load,
-        )
-        return decision, routed
+            routed.endpoint = self.endpoint_of(routed.instance_id)
+        routed.index_ready = ready
+        return routed, routed
 
     def _hashes(self, req: RouteRequest) -> tuple[list[int], list[int] | None, int]:
         """The request's fast block chain and LMCache chunk chain, and its token count."""
@@ -242,6 +238,8 @@ class RouteCore:
         fast: list[int] | None = None
         chunks: list[int] | None = None
         for hc in req.hashes:
+            if hc.scheme in ("fast", hs.lmcache_scheme):
+                self._check_root(hc, hs.fast_root if hc.scheme == "fast" else hs.lmcache_root)
             if hc.scheme == "fast":
                 if hc.block_size != hs.block_size:
                     raise WireError(
@@ -277,6 +275,17 @@ class RouteCore:
         else:
             n_tokens = max(len(fast) * hs.block_size, len(chunks or ()) * hs.chunk_size)
         return fast, (chunks if hs.want_chunks else None), n_tokens
+
+    def _check_root(self, hc: HashChain, root: int) -> None:
+        if hc.root is None or hc.root == root:
+            return
+        # Hashes from another root match nothing here: routing on them would silently read every
+        # hit as zero. Refuse loudly (the error code is counted per code in the metrics).
+        self.counters["hash_mismatch"] += 1
+        log.warning("route refused: %s chain hashed from root %d; this index uses %d (the sender must adopt "
+                    "stats()['hashing'])", hc.scheme, hc.root, root)
+        raise WireError("hash_mismatch", f"{hc.scheme} chain root {hc.root} differs from this index's {root}; "
+                        "adopt the controller's stats()['hashing']")
 
     def _done(self, req: DoneReport) -> DoneAck:
         self.counters["done"] += 1
@@ -322,14 +331,7 @@ class RouteCore:
             "index_ready": self.index_ready,
             "degraded": not self.index_ready,
             "routable_instances": self.routable_ids(),
-            "hashing": {
-                "block_size": hs.block_size,
-                "fast_root": hs.fast_root,
-                "lmcache_scheme": hs.lmcache_scheme,
-                "lmcache_chunk_size": hs.chunk_size,
-                "lmcache_root": hs.lmcache_root,
-                "chunks_indexed": hs.want_chunks,
-            },
+            "hashing": hs.as_stats(),
             "service": dict(self.counters),
             "errors_by_code": dict(self.errors_by_code),
             "index": {**self.index.stats, **self.index.sizes()},
@@ -509,4 +511,4 @@ class RouteService:
             self._sock = None
 
 
-__all__ = ["HashSettings", "RouteCore", "RouteService", "split_envelope"]
+__all__ = ["RouteCore", "RouteService", "split_envelope"]

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -207,6 +206,8 @@ class GpuBlockSink(Protocol):
 
     def gpu_cleared(self, instance_id: str) -> None: ...
 
+    def mark_stale(self, instance_id: str) -> None: ...
+
 
 def _untracked(ev: BlockStored | BlockRemoved, group_idx: int | None) -> str | None:
     """The tally for a block event of another medium or KV cache group; None if it is tracked."""
@@ -343,7 +344,10 @@ class VllmEventSubscriber:
     Sequence handling: a gap (or a first message with seq > 0) is filled from the replay
     endpoint; a seq that goes back with a newer timestamp is an engine restart and clears
     the instance; an older timestamp is a duplicate and is skipped. A gap that cannot be
-    filled clears the instance, because its mirror would be wrong.
+    filled (or a batch the sink failed on) marks the instance's entries stale: the blocks the
+    engine stored before the gap are most likely still there, so they stay indexed (and usable)
+    until the engine's next events store them again or they age out, rather than declaring
+    every session on the instance evicted at once.
     """
 
     def __init__(
@@ -477,20 +481,20 @@ class VllmEventSubscriber:
         if seq > expected:
             self.stats.unfilled_gaps += 1
             log.warning(
-                "vLLM events %s: batches %d..%d lost; clearing the instance",
+                "vLLM events %s: batches %d..%d lost; marking the instance's entries stale",
                 self.instance_id,
                 expected,
                 seq - 1,
             )
-            self._clear()
+            self._mark_stale()
         try:
             apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx)
         except Exception:
-            # The sink is our own index; a failure there must not kill ingest, but the
-            # mirror is no longer trustworthy.
-            log.exception("vLLM events %s: sink failed on seq %d", self.instance_id, seq)
+            # The sink is our own index; a failure there must not kill ingest, but what it
+            # holds for this instance is no longer certain.
+            log.exception("vLLM events %s: sink failed on seq %d; marking stale", self.instance_id, seq)
             self.stats.sink_errors += 1
-            self._clear()
+            self._mark_stale()
         now = time.time()
         self.stats.batches += 1
         self.stats.last_seq = seq
@@ -499,10 +503,16 @@ class VllmEventSubscriber:
         self._last_ts = batch.ts
 
     def _clear(self) -> None:
+        self._tell_sink(self._sink.gpu_cleared, "clear")
+
+    def _mark_stale(self) -> None:
+        self._tell_sink(self._sink.mark_stale, "mark stale")
+
+    def _tell_sink(self, call: Callable[[str], None], what: str) -> None:
         try:
-            self._sink.gpu_cleared(self.instance_id)
+            call(self.instance_id)
         except Exception:
-            log.exception("vLLM events %s: sink failed to clear", self.instance_id)
+            log.exception("vLLM events %s: sink failed to %s", self.instance_id, what)
             self.stats.sink_errors += 1
 
     async def _fill(self, start: int) -> None:
@@ -549,66 +559,3 @@ class VllmEventSubscriber:
             dealer.close(linger=0)
         out.sort(key=lambda item: item[0])
         return out
-
-
-# ---------------------------------------------------------------------------
-# Benchmark.
-
-
-def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:
-    """vLLM-shaped payloads holding at least ``n_events`` block events.
-
-    Each engine step stores one new 16-block prompt (16 tokens per block, rooted at the
-    hash seed) and evicts the prompt stored two steps earlier as 16 single-block
-    ``BlockRemoved`` events, tail first, the order in which vLLM's free queue gives blocks
-    up. Hashes span the full u64 range. Returns (payloads, block events).
-    """
-    rng = random.Random(seed)
-    enc = msgspec.msgpack.Encoder()
-    payloads: list[bytes] = []
-    history: list[list[int]] = []
-    total = 0
-    ts = 1.7e9
-    while total < n_events:
-        hashes = [rng.getrandbits(64) for _ in range(16)]
-        events: list[dict[str, Any]] = [
-            {
-                "type": "BlockStored",
-                "block_hashes": hashes,
-                "parent_block_hash": None,
-                "token_ids": [rng.randrange(150_000) for _ in range(256)],
-                "block_size": 16,
-                "lora_id": None,
-                "medium": "GPU",
-                "lora_name": None,
-                "extra_keys": [None] * 16,
-                "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention",
-            }
-        ]
-        total += 16
-        history.append(hashes)
-        if len(history) > 2:
-            for h in reversed(history.pop(0)):
-                events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
-                total += 1
-        ts += 0.01
-        payloads.append(enc.encode([ts, events, 0]))
-    return payloads, total
-
-
-def ingest_benchmark(sink: GpuBlockSink, n_events: int, instance_id: str = "bench") -> float:
-    """Decoded + applied block events per second on synthetic vLLM-shaped payloads.
-
-    Blocks are 16 tokens; a real index must be configured for that block size and know
-    ``instance_id`` before the run.
-    """
-    payloads, total = synthetic_payloads(n_events)
-    applied = 0
-    t0 = time.perf_counter()
-    for payload in payloads:
-        applied += apply_batch(decode_payload(payload), sink, instance_id)
-    elapsed = time.perf_counter() - t0
-    if applied != total:
-        raise RuntimeError(f"applied {applied} of {total} block events")
-    return total / elapsed

@@ -4,16 +4,17 @@ Sync::
 
     from smetric_lmc.client import RouteClient
     with RouteClient("tcp://127.0.0.1:5600") as c:
-        d = c.route("req-1", token_ids=ids, turn=2, est_hit_tokens=4096, hash_client_side=True)
+        hs = c.hash_settings()  # the controller's own: client-side hashes then match its index
+        d = c.route("req-1", token_ids=ids, turn=2, est_hit_tokens=4096, hashing=hs)
         ...  # send the request to d.endpoint
         c.done("req-1", instance_id=d.instance_id, output_tokens=n)
 
 Async (``AsyncRouteClient``): same methods, awaitable; many requests may be in flight at once on
 one client (each carries a correlation frame the controller echoes).
 
-``hash_client_side=True`` hashes token ids here so only the chained block hashes cross the wire;
-``block_size`` and ``fast_root`` must then match the controller's index (its ``stats()["hashing"]``
-tells them). Errors from the controller raise ``RouteError(code, message)``; no reply within
+``hashing=HashSettings`` hashes token ids here so only the chained block hashes cross the wire;
+take the settings from the controller (``hash_settings()``) so they match its index: each chain
+carries its root, and the controller refuses (``hash_mismatch``) hashes from any other. Errors from the controller raise ``RouteError(code, message)``; no reply within
 ``timeout_s`` raises ``RouteTimeout`` and the socket is replaced, so a late reply can never be
 taken for the answer to the next request.
 """
@@ -25,13 +26,13 @@ import contextlib
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from smetric_lmc.hashing import FAST_ROOT, TokenIds, fast_chain, lmcache_chunk_chain
+from smetric_lmc.hashing import HashSettings, TokenIds
 from smetric_lmc.wire import (
     DoneAck,
     DoneReport,
@@ -42,6 +43,8 @@ from smetric_lmc.wire import (
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -79,29 +82,20 @@ def build_route_request(
     turn: int | None = None,
     est_hit_tokens: int | None = None,
     model: str = "",
-    hash_client_side: bool = False,
-    block_size: int = 16,
-    fast_root: int = FAST_ROOT,
-    lmcache_chunk_size: int | None = None,
-    lmcache_root: int = 0,
-    lmcache_hash: Literal["builtin", "sha256_cbor"] = "builtin",
+    hashing: HashSettings | None = None,
 ) -> RouteRequest:
-    """The ``route`` message for a prompt; hashes it here when ``hash_client_side``.
+    """The ``route`` message for a prompt; with ``hashing`` its token ids are hashed here.
 
-    With ``hash_client_side`` the fast chain (and, if ``lmcache_chunk_size`` is given, the LMCache
-    chunk chain the controller's LMCache/global tiers use) replaces the token ids on the wire.
+    Client-side hashing replaces the token ids on the wire with the fast chain (and the LMCache
+    chunk chain when the controller indexes chunks), each tagged with its root.
     """
     chains = list(hashes or ())
     ids: list[int] | None = None
     if token_ids is not None:
-        if hash_client_side:
-            n = len(token_ids)
-            chains.append(HashChain("fast", block_size, fast_chain(token_ids, block_size, root=fast_root)))
-            if lmcache_chunk_size:
-                chunks = lmcache_chunk_chain(token_ids, lmcache_chunk_size, root=lmcache_root, algo=lmcache_hash)
-                chains.append(HashChain(f"lmcache_{lmcache_hash}", lmcache_chunk_size, chunks))
+        if hashing is not None:
+            chains.extend(hashing.chains(token_ids))
             if prompt_tokens is None:
-                prompt_tokens = n
+                prompt_tokens = len(token_ids)
         else:
             ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     return RouteRequest(
@@ -117,6 +111,13 @@ def build_route_request(
 
 def _done_report(request_id: str, **kw: Any) -> DoneReport:
     return DoneReport(request_id=request_id, **kw)
+
+
+def _settings_of(stats: dict[str, Any]) -> HashSettings:
+    try:
+        return HashSettings.from_stats(stats.get("hashing"))
+    except ValueError as exc:
+        raise RouteError("bad_reply", str(exc)) from None
 
 
 def _expect(reply: Any, kind: type) -> Any:
@@ -232,8 +233,16 @@ class RouteClient(_Base):
         """Report a request finished (instance_id, prompt_tokens, output_tokens, cached_tokens, ttft_s, e2e_s, ok)."""
         return _expect(self._call(_done_report(request_id, **kw)), DoneAck)
 
+    def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        """Report the request's first output token arrived (its prompt is prefilled)."""
+        return _expect(self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
+
     def stats(self) -> dict[str, Any]:
         return _expect(self._call(StatsRequest()), StatsReply).stats
+
+    def hash_settings(self) -> HashSettings:
+        """The controller's hashing, to hash prompts here exactly as its index does."""
+        return _settings_of(self.stats())
 
     def health(self) -> HealthReply:
         return _expect(self._call(HealthRequest()), HealthReply)
@@ -330,8 +339,14 @@ class AsyncRouteClient(_Base):
     async def done(self, request_id: str, **kw: Any) -> DoneAck:
         return _expect(await self._call(_done_report(request_id, **kw)), DoneAck)
 
+    async def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        return _expect(await self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
+
     async def stats(self) -> dict[str, Any]:
         return _expect(await self._call(StatsRequest()), StatsReply).stats
+
+    async def hash_settings(self) -> HashSettings:
+        return _settings_of(await self.stats())
 
     async def health(self) -> HealthReply:
         return _expect(await self._call(HealthRequest()), HealthReply)

@@ -1,7 +1,10 @@
 """Load accounting: in-flight requests and unprefilled tokens per instance.
 
 A request counts from the moment it is routed (so a burst cannot herd onto one instance before any
-engine reports) until its done report. Engines' own counters (``vllm:num_requests_running`` +
+engine reports) until its done report; its prompt tokens count as unprefilled until its prefilled
+report (the gateway sends it at the first streamed token; the simulator at prefill end). Without
+that report the engines' ``vllm:num_requests_waiting`` bounds how many of an instance's requests
+can still wait for prefill: older ones beyond that many are taken as prefilled (``reconcile``). Engines' own counters (``vllm:num_requests_running`` +
 ``_waiting``) heal lost done reports: entries older than a grace period beyond what the engine says
 it holds are released, oldest first. Requests that other routers sent to an engine show up as
 ``external`` load, so the view never under-counts a shared engine.
@@ -20,6 +23,7 @@ class _InFlight:
     instance: str
     unprefilled: int
     since: float
+    prefilled: bool = False
 
 
 class LoadTracker:
@@ -29,7 +33,8 @@ class LoadTracker:
         self._count: dict[str, int] = {}
         self._unprefilled: dict[str, int] = {}
         self._external: dict[str, int] = {}
-        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0}
+        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0, "prefilled": 0,
+                      "prefilled_inferred": 0}
 
     def add_instance(self, instance_id: str) -> None:
         self._count.setdefault(instance_id, 0)
@@ -54,12 +59,16 @@ class LoadTracker:
         self._unprefilled[instance_id] += todo
         self.stats["routed"] += 1
 
-    def on_prefilled(self, request_id: str) -> None:
-        """Prefill finished (PD disaggregation, simulator): its tokens no longer queue."""
+    def on_prefilled(self, request_id: str) -> bool:
+        """Prefill finished: its tokens no longer queue. False when not in flight or already prefilled."""
         entry = self._requests.get(request_id)
-        if entry is not None and entry.unprefilled:
-            self._unprefilled[entry.instance] -= entry.unprefilled
-            entry.unprefilled = 0
+        if entry is None or entry.prefilled:
+            return False
+        self._unprefilled[entry.instance] -= entry.unprefilled
+        entry.unprefilled = 0
+        entry.prefilled = True
+        self.stats["prefilled"] += 1
+        return True
 
     def on_done(self, request_id: str) -> bool:
         """Release a request; False when it was not in flight (duplicate or healed)."""
@@ -77,12 +86,22 @@ class LoadTracker:
         self._unprefilled[entry.instance] -= entry.unprefilled
         return True
 
-    def reconcile(self, instance_id: str, engine_requests: int, grace_s: float = 30.0) -> int:
-        """Align with the engine's running+waiting count. Returns entries released as lost."""
+    def reconcile(
+        self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,
+        engine_waiting: int | None = None, prefill_grace_s: float = 1.0,
+    ) -> int:
+        """Align with the engine's running+waiting count. Returns entries released as lost.
+
+        With ``engine_waiting`` (requests the engine has not scheduled yet), entries routed more than
+        ``prefill_grace_s`` ago that are still unprefilled, beyond the ``engine_waiting`` newest of
+        them, are taken as prefilled (the engine schedules first come, first served): the fallback
+        for gateways that send no prefilled report. It cannot see a chunked prefill in progress."""
         self.add_instance(instance_id)  # an engine that reports load exists, routed to or not
         ours = self._count[instance_id]
         self._external[instance_id] = max(0, engine_requests - ours)
         excess = ours - engine_requests
+        if engine_waiting is not None:
+            self._infer_prefilled(instance_id, engine_waiting, prefill_grace_s)
         if excess <= 0:
             return 0
         cutoff = self._clock() - grace_s
@@ -95,6 +114,17 @@ class LoadTracker:
             healed += 1
         self.stats["healed"] += healed
         return healed
+
+    def _infer_prefilled(self, instance_id: str, engine_waiting: int, prefill_grace_s: float) -> None:
+        cutoff = self._clock() - prefill_grace_s
+        queued = sorted(
+            (e.since, rid) for rid, e in self._requests.items()
+            if e.instance == instance_id and not e.prefilled and e.since < cutoff
+        )
+        for _, rid in queued[: max(0, len(queued) - engine_waiting)]:
+            if self.on_prefilled(rid):
+                self.stats["prefilled"] -= 1
+                self.stats["prefilled_inferred"] += 1
 
     def in_flight(self, instance_id: str) -> int:
         return self._count.get(instance_id, 0) + self._external.get(instance_id, 0)

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from smetric_lmc.config import InstanceConfig, PolicyConfig
-from smetric_lmc.controller.service import HashSettings, RouteCore, RouteService, split_envelope
-from smetric_lmc.hashing import fast_chain, fast_root, lmcache_chunk_chain
+from smetric_lmc.controller.service import RouteCore, RouteService, split_envelope
+from smetric_lmc.hashing import HashSettings, fast_chain, fast_root, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router

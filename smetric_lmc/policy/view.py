@@ -1,4 +1,4 @@
-"""The typed view of the cluster a policy decides on, and its decision."""
+"""The typed view of the cluster a policy decides on, and its choice."""
 
 from __future__ import annotations
 
@@ -19,17 +19,20 @@ class ClusterView:
     turn: int = 0  # 0 = the session's first request
     est_hit: int = 0  # tokens the session's earlier turns should have left cached
     global_hit: int = 0  # contiguous hit in the global tier (tokens)
-    unprefilled: Sequence[float] | None = None  # queued prefill tokens (dynamo-style); defaults to load
+    # Queued prefill tokens per instance; filled only for policies that declare needs={"unprefilled"}.
+    unprefilled: Sequence[float] | None = None
     rr: int = 0  # round-robin cursor for tie-breaking; the caller advances it per decision
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Choice:
+    """A policy's pick within its view; the router turns it into the ``RouteDecision``."""
+
     index: int  # into view.instances; -1 when nothing is routable
     reason: Reason
 
 
-NO_INSTANCE = Decision(-1, Reason.NO_INSTANCES)
+NO_INSTANCE = Choice(-1, Reason.NO_INSTANCES)
 
 
 def rr_argmin(values: list[float] | list[int], rr: int, among: Sequence[int] | None = None) -> int:
