@@ -467,3 +467,14 @@ def test_a_long_chain_of_orphan_runs_is_adopted_without_recursion():
     ix.gpu_stored("i0", [1], None, toks[:16], 16)
     assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [3000, 0]
     assert ix.stats["gpu_orphans_adopted"] == 2999
+
+
+def test_the_orphan_cap_drops_only_that_instances_oldest_runs():
+    ix, clock = clocked(orphan_cap_blocks=4)
+    toks = list(range(16 * 8))
+    ix.gpu_stored("i1", [50, 51], 40, toks[:32], 16)  # i1 waits for its parent too
+    for j in range(6):  # i0: six one-block runs, each under an unknown parent
+        ix.gpu_stored("i0", [100 + j], 90 + j, toks[16 * j:16 * (j + 1)], 16)
+    assert ix.stats["gpu_orphans_dropped"] == 2 and ix.stats["gpu_orphans_waiting"] == 6
+    ix.gpu_stored("i1", [40], None, list(range(500, 516)), 16)  # i1's parent arrives: its run is intact
+    assert ix.stats["gpu_orphans_adopted"] == 2

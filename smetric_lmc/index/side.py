@@ -118,7 +118,8 @@ class Orphans:
         self.by_parent: dict[tuple[int, int], list[list[Any]]] = {}  # (slot, parent key) -> runs
         self.by_hash: dict[tuple[int, int], list[Any]] = {}  # (slot, engine hash) -> run (removals)
         self.blocks: dict[int, int] = {}  # slot -> blocks waiting
-        self.queue: deque[tuple[float, int, int, list[Any]]] = deque()
+        self.queue: deque[tuple[float, int, int, list[Any]]] = deque()  # every run, by deadline
+        self.fifo: dict[int, deque[tuple[int, list[Any]]]] = {}  # slot -> its runs, oldest first (cap)
         self.kept = self.adopted = self.dropped = 0
 
     def waiting(self, slot: int) -> bool:
@@ -134,9 +135,12 @@ class Orphans:
         self.blocks[slot] = self.blocks.get(slot, 0) + n
         self.kept += n
         self.queue.append((now + self.ttl_s, slot, parent, run))
-        while self.blocks[slot] > self.cap and self.queue:
-            _, s, p, old = self.queue.popleft()
-            self._forget(s, p, old)
+        fifo = self.fifo.setdefault(slot, deque())
+        self._trim(fifo)
+        fifo.append((parent, run))
+        while self.blocks[slot] > self.cap and fifo:  # over the cap: this instance's oldest go
+            p, old = fifo.popleft()
+            self._forget(slot, p, old)
 
     def take(self, slot: int, parent: int) -> list[list[Any]]:
         runs = self.by_parent.pop((slot, parent), None)
@@ -158,7 +162,7 @@ class Orphans:
         return len(hashes)
 
     def _forget(self, slot: int, parent: int, run: list[Any]) -> None:
-        if len(run) > 5:  # already adopted
+        if len(run) > 5:  # adopted or dropped already
             return
         runs = self.by_parent.get((slot, parent))
         if runs is None or not any(r is run for r in runs):
@@ -167,12 +171,22 @@ class Orphans:
         if not runs:
             del self.by_parent[(slot, parent)]
         self.dropped += self._unindex(slot, run)
+        run.append(None)  # done with, like an adopted run
+
+    @staticmethod
+    def _trim(fifo: deque[tuple[int, list[Any]]]) -> None:
+        """Let go of runs at the front that were adopted or dropped already."""
+        while fifo and len(fifo[0][1]) > 5:
+            fifo.popleft()
 
     def expire(self, now: float) -> None:
         q = self.queue
         while q and q[0][0] <= now:
             _, slot, parent, run = q.popleft()
             self._forget(slot, parent, run)
+            fifo = self.fifo.get(slot)
+            if fifo is not None:
+                self._trim(fifo)
 
     def next_deadline(self) -> float:
         return self.queue[0][0] if self.queue else float("inf")
@@ -195,6 +209,7 @@ class Orphans:
         return True
 
     def drop_slot(self, slot: int) -> None:
+        self.fifo.pop(slot, None)
         for key in [k for k in self.by_parent if k[0] == slot]:
             for run in self.by_parent.pop(key):
                 self.dropped += self._unindex(slot, run)
