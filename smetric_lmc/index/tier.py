@@ -400,12 +400,12 @@ class TierIndex:
         held = bit | sbit
         known = 0
         tree = self._tree
-        afind, mval, mid, exc = tree.alias.find, tree.mval, tree.mid, self._exc.get(slot)
+        alocate, mval, mid, exc = tree.alias.locate, tree.mval, tree.mid, self._exc.get(slot)
         for e in block_hashes:
             if exc:
                 r = self._resolve(slot, e, held)
             else:  # no aliases of its own: the shared map alone (the common case, inlined)
-                r = afind(e)
+                r = alocate(e)[1]
                 if r and not mval[mid[r]] & held:
                     r = 0
             if not r:
