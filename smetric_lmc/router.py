@@ -83,7 +83,10 @@ class Router:
         source = TurnSource.REQUEST
         if turn is None:
             turn, est, source = _infer_turn(hits, est)
-        loads = self.load.loads(ids, self.disaggregated)
+        if candidates is None and not self.disaggregated:
+            loads = self.load.loads_aligned(order, (id(self.index), self.index.membership))
+        else:
+            loads = self.load.loads(ids, self.disaggregated)
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         view = ClusterView(

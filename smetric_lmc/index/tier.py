@@ -55,6 +55,7 @@ class TierIndex:
         self._slots: dict[str, int] = {}
         self._used = 0  # bits of every allocated slot (instances and their stale shadows)
         self._order: list[str] = []  # instance ids in registration order (the view's order)
+        self.membership = 0  # bumped whenever ``instances`` changes, so views aligned to it can tell
         self._order_slots: list[int] = []
         self._pos: list[int] = []  # slot -> position in _order (-1: not an instance slot)
         self._all_mask = 0  # bits of every registered instance slot
@@ -127,6 +128,7 @@ class TierIndex:
         self._order_slots.append(slot)
         self._pos[slot] = len(self._order) - 1
         self._all_mask |= 1 << slot
+        self.membership += 1
         return slot
 
     def drop_instance(self, instance_id: str) -> None:
@@ -144,6 +146,7 @@ class TierIndex:
         for k, sl in enumerate(self._order_slots):
             self._pos[sl] = k
         self._all_mask &= ~(1 << slot)
+        self.membership += 1
 
     def _slot(self, instance_id: str) -> int | None:
         slot = self._slots.get(instance_id)
