@@ -20,7 +20,7 @@ from tqdm import tqdm
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.sim.cluster import simulate
 from smetric_lmc.sim.config import SimConfig
-from smetric_lmc.sim.metrics import SimResult
+from smetric_lmc.sim.metrics import SATURATED_BUSY, SimResult
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.workload.model import Workload
 
@@ -77,6 +77,44 @@ class SweepResult:
         for o in self.outcomes:
             seen.setdefault(o.policy, None)
         return list(seen)
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    """A policy's best point over the offered-load sweep (at one knob value), with what says
+    whether the sweep reached its saturation knee: the GPUs' busy share there, the request rate per
+    instance, and ``below_knee`` when the peak sits under ``SATURATED_BUSY`` (the sweep ran out of
+    load before the policy saturated: its "max TPS" is a lower bound, not a maximum)."""
+
+    value: str
+    policy: str
+    rate: float
+    score: float
+    gpu_busy_share: float
+    req_per_min_per_instance: float
+    below_knee: bool
+    at_top_rate: bool  # the best point is the sweep's highest load: the knee may lie beyond it
+
+
+def peak_rows(sr: SweepResult) -> list[PeakRow]:
+    """One row per (knob value, policy): its peak, flagged when below the saturation knee."""
+    top: dict[tuple[str, str], float] = {}
+    for o in sr.outcomes:
+        key = (o.point.value, o.policy)
+        top[key] = max(top.get(key, 0.0), o.point.cfg.rate)
+    rows = []
+    for (value, pol), o in sr.best().items():
+        s = o.result.summary
+        busy = float(s.get("gpu_busy_share", 0.0))
+        rows.append(PeakRow(
+            value, pol, o.point.cfg.rate, o.result.score, busy, float(s.get("req_per_min_per_instance", 0.0)),
+            busy < SATURATED_BUSY, o.point.cfg.rate >= top[(value, pol)],
+        ))  # fmt: skip
+    for r in rows:
+        if r.below_knee:
+            log.warning("%s at %s: peak at %.1f%% GPU busy (< %.0f%%): the sweep did not reach its saturation knee",
+                        r.policy, r.value, 100 * r.gpu_busy_share, 100 * SATURATED_BUSY)  # fmt: skip
+    return rows
 
 
 _WORKLOAD: Workload | None = None
@@ -200,6 +238,6 @@ def sweep(
 
 
 __all__ = [
-    "GLOBAL_POINTS", "HIT_RATIO_POINTS", "KNOBS", "OVERLOAD_POINTS", "Outcome", "Point", "SweepResult",
-    "build_points", "rates_around", "replace_cfg", "run_points", "sweep",
+    "GLOBAL_POINTS", "HIT_RATIO_POINTS", "KNOBS", "OVERLOAD_POINTS", "Outcome", "PeakRow", "Point", "SweepResult",
+    "build_points", "peak_rows", "rates_around", "replace_cfg", "run_points", "sweep",
 ]  # fmt: skip
