@@ -290,3 +290,41 @@ def test_token_window_imbalance() -> None:
                     PolicyConfig(name="smetric")).run()  # fmt: skip
     assert res.summary["imbalance_mean"] == pytest.approx(4.0)
     assert res.win_tokens.sum() == 5000 + 10
+
+
+def test_load_sweep_extends_until_the_gpus_saturate() -> None:
+    from smetric_lmc.sim.sweep import sweep
+
+    sessions = [TraceSession(f"s{k}", [TraceRequest(0.0, 5000, 11, ids(78, k + 1), turn=0)]) for k in range(3)]
+    wl = Workload("w", BS, sessions)
+    base = load_sim_config(instances=1, rate=0.05, sampling="replace", arrival_window_s=300.0, seed=2)
+    sr = sweep(wl, "load", base, ["load_balance"], [0.05], extend_to_knee=10)
+    rates = sorted(o.point.cfg.rate for o in sr.outcomes)
+    busy = {o.point.cfg.rate: o.result.summary["gpu_busy_share"] for o in sr.outcomes}
+    # doubled until the top run kept the GPU at least 80% busy, and not beyond
+    assert rates == [0.05 * 2**k for k in range(len(rates))]
+    assert busy[rates[-1]] >= 0.8 > busy[rates[-2]]
+    row = peak_rows(sr)[0]
+    assert row.policy == "load_balance" and row.gpu_busy_share == busy[row.rate]
+
+
+def test_generated_blocks_stay_on_the_gpu_not_in_the_global_tier() -> None:
+    # turn 0: 40 blocks + 17 tokens, 50 generated -> block 40 is full of prompt tail + answer; turn 1
+    # resends it (its ids continue turn 0's)
+    a = ids(60, 1)
+    reqs = [TraceRequest(0.0, 40 * BS + 17, 50, a[:40], turn=0),
+            TraceRequest(30.0, 60 * BS, 5, a, think_time=5.0, turn=1)]  # fmt: skip
+    sim = Simulator(Workload("w", BS, [TraceSession("s", reqs)]), cfg(arrival="closed"), PolicyConfig(name="smetric"))
+    routed = {}
+    route = sim.router.route
+
+    def spy(rid, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        routed[rid] = route(rid, *args, **kw)
+        return routed[rid]
+
+    sim.router.route = spy  # type: ignore[method-assign]
+    res = sim.run()
+    assert routed["0:1"].local_hit_tokens == 41 * BS  # prompt + the full answer block
+    assert routed["0:1"].global_hit_tokens == 40 * BS  # LMCache saved the prompt only
+    r1 = record(sim, res, 0, 1)
+    assert r1["local_tokens"] == 41 * BS and r1["global_tokens"] == 0

@@ -96,19 +96,28 @@ class PeakRow:
     at_top_rate: bool  # the best point is the sweep's highest load: the knee may lie beyond it
 
 
+def _group(o: Outcome) -> tuple[str, str]:
+    """Runs that differ only in offered load: a load sweep's values *are* the loads."""
+    return ("" if o.point.knob == "load" else o.point.value, o.policy)
+
+
 def peak_rows(sr: SweepResult) -> list[PeakRow]:
-    """One row per (knob value, policy): its peak, flagged when below the saturation knee."""
+    """One row per (knob value, policy) — per policy for a load sweep — at its best score over the
+    offered loads, flagged when below the saturation knee."""
     top: dict[tuple[str, str], float] = {}
+    best: dict[tuple[str, str], Outcome] = {}
     for o in sr.outcomes:
-        key = (o.point.value, o.policy)
+        key = _group(o)
         top[key] = max(top.get(key, 0.0), o.point.cfg.rate)
+        if key not in best or o.result.score > best[key].result.score:
+            best[key] = o
     rows = []
-    for (value, pol), o in sr.best().items():
+    for key, o in best.items():
         s = o.result.summary
         busy = float(s.get("gpu_busy_share", 0.0))
         rows.append(PeakRow(
-            value, pol, o.point.cfg.rate, o.result.score, busy, float(s.get("req_per_min_per_instance", 0.0)),
-            busy < SATURATED_BUSY, o.point.cfg.rate >= top[(value, pol)],
+            o.point.value, o.policy, o.point.cfg.rate, o.result.score, busy,
+            float(s.get("req_per_min_per_instance", 0.0)), busy < SATURATED_BUSY, o.point.cfg.rate >= top[key],
         ))  # fmt: skip
     for r in rows:
         if r.below_knee:
@@ -231,10 +240,40 @@ def sweep(
     profile: Profile | None = None,
     jobs: int = 1,
     policy_base: PolicyConfig | None = None,
+    extend_to_knee: int = 0,
+    extend_factor: float = 2.0,
 ) -> SweepResult:
+    """Run every point. ``extend_to_knee`` > 0: for each (knob value, policy) whose highest-load run
+    kept its GPUs under ``SATURATED_BUSY``, add a run at ``extend_factor`` x that load, up to that
+    many times, so each policy's peak lies at or past its saturation knee (use ``sampling:
+    replace`` so that more load means more sessions, not a finite pool started faster)."""
+    prof = profile or load_profile(base.profile)
     points = build_points(knob, base, policies, rates, values, policy_base)
-    results = run_points(workload, points, profile or load_profile(base.profile), jobs, desc=f"sweep {knob}")
-    return SweepResult(knob, [Outcome(p, r) for p, r in zip(points, results)])
+    results = run_points(workload, points, prof, jobs, desc=f"sweep {knob}")
+    out = SweepResult(knob, [Outcome(p, r) for p, r in zip(points, results)])
+    for _ in range(extend_to_knee):
+        more = _below_knee_at_top(out, extend_factor)
+        if not more:
+            break
+        res = run_points(workload, more, prof, jobs, desc=f"sweep {knob} (to the knee)")
+        out.outcomes.extend(Outcome(p, r) for p, r in zip(more, res))
+    return out
+
+
+def _below_knee_at_top(sr: SweepResult, factor: float) -> list[Point]:
+    """Points one load step beyond each (knob value, policy) whose top-load run was not saturated."""
+    top: dict[tuple[str, str], Outcome] = {}
+    for o in sr.outcomes:
+        key = _group(o)
+        if key not in top or o.point.cfg.rate > top[key].point.cfg.rate:
+            top[key] = o
+    more = []
+    for o in top.values():
+        if float(o.result.summary.get("gpu_busy_share", 0.0)) < SATURATED_BUSY:
+            p = o.point
+            more.append(Point(p.knob, p.value if p.knob != "load" else f"{p.cfg.rate * factor:g}",
+                              replace_cfg(p.cfg, rate=p.cfg.rate * factor), p.policy))  # fmt: skip
+    return more
 
 
 __all__ = [
