@@ -63,8 +63,9 @@ def check_conservation(sim: Simulator, res) -> None:  # noqa: ANN001
         assert all(n.ref == 0 for n in inst.cache.nodes())
         assert inst.cache.used == inst.cache.held_blocks() <= inst.cache.capacity
         assert sim.index.gpu_blocks_of(inst.iid) == inst.cache.used
-    if sim.gcache is not None:
-        assert sim.index.sizes()["global_chunks"] == sim.gcache.used
+    if sim.gtier is not None:
+        assert sim.index.sizes()["global_chunks"] == sim.gtier.cache.used
+        assert all(n.ref == 0 for n in sim.gtier.cache.nodes())  # no fetch left its source pinned
 
 
 @pytest.mark.parametrize("policy", ["smetric", "load_balance", "round_robin", "dynamo"])
@@ -76,6 +77,19 @@ def test_conservation(policy: str, tier: str) -> None:
     res = sim.run()
     assert res.summary["requests"] == wl.n_requests
     check_conservation(sim, res)
+
+
+@pytest.mark.parametrize("mode", ["async", "layerwise"])
+@pytest.mark.parametrize("policy", ["smetric", "load_balance"])
+def test_conservation_other_load_modes(policy: str, mode: str) -> None:
+    prof = load_profile().with_overrides(hbm_gib=72.0, gpus_per_node=2)  # evictions, 2 nodes
+    wl = toy()
+    sim = Simulator(wl, cfg(global_tier="0.4", kv_load_mode=mode), PolicyConfig(name=policy), prof)
+    res = sim.run()
+    assert res.summary["requests"] == wl.n_requests
+    assert res.summary["hit_global"] > 0 and res.summary["stored_gb"] > 0
+    check_conservation(sim, res)
+    assert all(not i.loading for i in sim.instances) and sim.net.active == 0
 
 
 def test_pd_mode_runs_and_conserves() -> None:
