@@ -283,3 +283,35 @@ def test_subagent_starts_when_the_spawning_parent_request_completes() -> None:
     starts = sorted(set(c["arrival"].tolist()))
     root_start = float(c["arrival"][(c["turn"] == 0)].min())
     assert root_start + 150.0 in [pytest.approx(x) for x in starts]
+
+
+def test_sim_modules_import_without_cycles() -> None:
+    # every import between smetric_lmc.sim modules, TYPE_CHECKING ones included, absolute only
+    import ast
+
+    import smetric_lmc.sim as pkg
+
+    root = Path(pkg.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for f in root.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{f.name}: relative import"
+                mod = node.module or ""
+                if mod.startswith("smetric_lmc.sim."):
+                    deps.add(mod.split(".")[2])
+        graph[f.stem] = deps
+    assert {"engine", "cluster", "metrics"} <= set(graph)
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, f"import cycle: {' -> '.join(path + (m,))}"
+        if m in done:
+            return
+        for d in graph.get(m, ()):
+            visit(d, path + (m,))
+        done.add(m)
+
+    for m in graph:
+        visit(m, ())
