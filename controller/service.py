@@ -307,7 +307,8 @@ class RouteCore:
             raise WireError("bad_request", "route needs token_ids or hashes")
         try:
             if fast is None and toks is not None:
-                fast = fast_chain(toks, hs.block_size, root=hs.fast_root)
+                # A route naming a LoRA adapter the engines reported hashes in that adapter's chain.
+                fast = fast_chain(toks, hs.block_size, root=self.index.root_for(req.model, hs.fast_root))
             if chunks is None and toks is not None and hs.want_chunks:
                 chunks = lmcache_chunk_chain(toks, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)  # type: ignore[arg-type]
         except ValueError as exc:

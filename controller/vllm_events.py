@@ -228,6 +228,10 @@ class GpuBlockSink(Protocol):
         parent_block_hash: int | None,
         token_ids: Sequence[int],
         block_size: int,
+        *,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        lora_id: int | None = None,
     ) -> int: ...
 
     def gpu_removed(self, instance_id: str, block_hashes: Sequence[int]) -> int: ...
@@ -298,8 +302,11 @@ def apply_batch(
                 malformed += 1
             elif ev.block_hashes:
                 blocks_stored += len(ev.block_hashes)
+                # Adapter and extra keys set the block's identity (the index folds them into its chain).
+                keyed = ev.lora_name is not None or ev.lora_id is not None or any(ev.extra_keys or ())
+                extra = {"lora_name": ev.lora_name, "extra_keys": ev.extra_keys, "lora_id": ev.lora_id} if keyed else {}
                 sink.gpu_stored(
-                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size
+                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, **extra
                 )
         elif isinstance(ev, AllBlocksCleared):
             n_cleared += 1

@@ -53,7 +53,11 @@ class Router:
     ) -> RouteDecision:
         """Decide where ``request_id`` goes and count it in flight there."""
         found = self.index.lookup(blocks, chunks)
-        return self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        routed = self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        if routed.instance_id is not None and blocks:
+            # A follow-up can arrive before this prompt's KV events: credit it there meanwhile.
+            self.index.add_pending(routed.instance_id, blocks)
+        return routed
 
     def decide(
         self,
@@ -79,7 +83,10 @@ class Router:
         source = TurnSource.REQUEST
         if turn is None:
             turn, est, source = _infer_turn(hits, est)
-        loads = self.load.loads(ids, self.disaggregated)
+        if candidates is None and not self.disaggregated:
+            loads = self.load.loads_aligned(order, (id(self.index), self.index.membership))
+        else:
+            loads = self.load.loads(ids, self.disaggregated)
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         view = ClusterView(

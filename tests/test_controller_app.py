@@ -294,7 +294,8 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
                 chosen.add((await client.route(f"r{k}", token_ids=[k] * 40, turn=0)).instance_id)
                 await client.done(f"r{k}")
             follow_up = session + [7] * 40
-            d = await client.route("f0", token_ids=follow_up, turn=2, est_hit_tokens=len(session))
+            # (another continuation: f0's prompt counts as pending on a, and f1 must not extend it)
+            d = await client.route("f0", token_ids=session + [8] * 40, turn=2, est_hit_tokens=len(session))
             assert d.instance_id == "a" and d.reason.value == "evicted_fallback"  # b is not a candidate
             await client.done("f0")
             assert chosen == {"a"}

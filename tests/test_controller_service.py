@@ -371,8 +371,8 @@ def test_disaggregated_routes_only_to_prefill_capable_instances() -> None:
     seed(core, "i0", PROMPT)  # the decode instance holds the prefix, but takes no new requests
     with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
         chosen = set()
-        for k in range(6):
-            d = decode_reply(ask(s, encode(route_req(f"p{k}"))))
+        for k in range(6):  # distinct last blocks: none extends another's pending prompt
+            d = decode_reply(ask(s, encode(route_req(f"p{k}", token_ids=PROMPT[: 39 * BS] + [50_000 + k] * BS))))
             assert isinstance(d, RouteDecision)
             chosen.add(d.instance_id)
         assert chosen == {"i1", "i2"}

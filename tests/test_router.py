@@ -63,6 +63,20 @@ def test_hot_policy_swap():
     assert {p.policy for p in picks} == {"round_robin"} and picks[0].reason == Reason.ROUND_ROBIN
 
 
+def test_a_follow_up_routed_before_its_kv_events_stays_with_its_session():
+    """The first turn's blocks are pending on its instance until the engine reports them."""
+    r = cluster()
+    first = list(range(100))
+    a = r.route("s1-t0", fast_chain(first, 16), None, len(first), turn=0)
+    r.route("s2-t0", [], None, 10, turn=0)
+    r.load.on_done("s1-t0")
+    follow = first + list(range(1000, 1050))
+    b = r.route("s1-t1", fast_chain(follow, 16), None, len(follow), turn=1, est_hit=100)
+    assert (b.instance_id, b.reason) == (a.instance_id, Reason.STICKY)
+    assert b.local_hit_tokens == 96
+    assert r.index.stats["pending_added"] == 2  # s2 had no full block
+
+
 def test_a_growing_prompt_without_turn_stays_with_its_cache():
     # /v1/completions clients send no turn: each request is the previous prompt plus more text.
     r = cluster(n=2)
