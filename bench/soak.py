@@ -40,7 +40,6 @@ from smetric_lmc import hostile
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-from smetric_lmc.index import TierIndex
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}
@@ -195,11 +194,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     lag = {"max": 0.0}
     try:
         app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
-        if not hasattr(TierIndex, "mark_stale"):
-            # This index cannot mark entries stale yet: keep them as they are rather than log a
-            # sink error per storm-made gap (the storm checks survival, not index accuracy).
-            print("note: TierIndex has no mark_stale; gaps leave entries unmarked", file=sys.stderr)
-            TierIndex.mark_stale = lambda self, iid: None  # type: ignore[attr-defined]
         await app.start()
         endpoints.update(route=app.service.endpoint or "", lmcache_pull=app.lmcache_server.endpoints["pull"],
                          lmcache_reply=app.lmcache_server.endpoints["reply"])

@@ -32,7 +32,6 @@ from smetric_lmc.client import AsyncRouteClient, RouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.hashing import fast_chain
-from smetric_lmc.index import TierIndex
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 
@@ -57,23 +56,6 @@ def base_config(**over: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
-
-
-class StaleMarkingIndex(TierIndex):
-    """Test double for an index without ``mark_stale`` yet: records each mark, keeps every entry."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.stale_marked: list[str] = []
-
-    def mark_stale(self, instance_id: str) -> None:
-        self.stale_marked.append(instance_id)
-
-
-@pytest.fixture(autouse=True)
-def index_with_stale_marks(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not hasattr(TierIndex, "mark_stale"):
-        monkeypatch.setattr("smetric_lmc.controller.app.TierIndex", StaleMarkingIndex)
 
 
 @pytest.fixture
@@ -285,8 +267,7 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
         await wait_for(lambda: app.routable() == ["a"], 3.0, "b to leave routing")
         # Out of routing, but its index is kept (marked stale), not wiped.
         assert app.index.gpu_blocks_of("b") == 8
-        stale = getattr(app.index, "stale_marked", None)
-        assert stale == ["b"] if stale is not None else app.index.is_stale("b")
+        assert app.index.stale_instances() == ["b"]
         assert app.poller is not None and app.poller.healthy("b") is False and app.poller.healthy("a") is True
         async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
             chosen = set()

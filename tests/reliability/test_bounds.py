@@ -12,7 +12,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import make_index
 from helpers import wait_for
 from services import free_port
 
@@ -236,7 +235,7 @@ class _Publisher:
 async def _subscribed(**kw: object) -> tuple[zmq.asyncio.Context, _Publisher, VllmEventSubscriber, TierIndex, asyncio.Task[None]]:
     ctx = zmq.asyncio.Context()
     pub = _Publisher(ctx)
-    index = make_index(16, 256, fast_root=1)
+    index = TierIndex(16, 256, fast_root=1)
     index.register_instance("a")
     sub = VllmEventSubscriber(f"tcp://127.0.0.1:{pub.port}", "a", index, bind=False, ctx=ctx, **kw)  # type: ignore[arg-type]
     task = asyncio.create_task(sub.run())
