@@ -278,13 +278,14 @@ def apply_batch(
     # are merged into one sink call (flushed before anything that must stay ordered).
     pending: list[int] = []
     for ev in batch.events:
-        if isinstance(ev, BlockRemoved):
+        if isinstance(ev, BlockRemoved):  # half of a busy stream: the tracked case inlined
             n_removed += 1
-            skip = _untracked(ev, group_idx)
-            if skip is not None:
-                untracked[skip] += 1
-            else:
+            if (ev.medium is None or ev.medium == MEDIUM_GPU) and (
+                group_idx is None or ev.group_idx is None or ev.group_idx == group_idx
+            ):
                 pending.extend(ev.block_hashes)
+            else:
+                untracked[_untracked(ev, group_idx)] += 1  # type: ignore[index]
             continue
         if pending:
             blocks_removed += len(pending)

@@ -62,13 +62,24 @@ class KeyIndex:
         """Insert ``row`` (whose key column holds ``h``) at slot ``i``, which ``locate(h)`` just
         returned for the absent key (saves probing twice on the ingest path)."""
         if self.n >= self.limit or i >= self.end:
-            while True:  # grow; a probe run into the tail's last slot needs a ~1000-long cluster
-                self._rebuild(self.mask.bit_length() + 1)
-                i = self.locate(h)[0]
-                if i < self.end:
-                    break
+            i = self.grow(h)
         self.slots[i] = row
         self.n += 1
+
+    def reserve(self, k: int) -> None:
+        """Grow now if ``k`` more keys would pass the load limit, so that a caller inserting them
+        with inlined probes need only watch for a probe running into the tail (``end``)."""
+        while self.n + k > self.limit:
+            self._rebuild(self.mask.bit_length() + 1)
+
+    def grow(self, h: int) -> int:
+        """Grow the map; returns the slot absent key ``h`` now goes to. Callers that cache
+        ``slots``/``mask``/``end``/``limit`` in locals must reload them after this."""
+        while True:  # a probe run into the tail's last slot needs a ~1000-long cluster
+            self._rebuild(self.mask.bit_length() + 1)
+            i = self.locate(h)[0]
+            if i < self.end:
+                return i
 
     def add(self, h: int, row: int) -> bool:
         """Insert ``row`` under ``h`` unless ``h`` is present already (then False)."""
@@ -79,10 +90,28 @@ class KeyIndex:
         return True
 
     def delete(self, h: int) -> bool:
-        """Remove key ``h``; backward-shift the run behind it so no probe ever crosses a hole."""
+        """Remove key ``h``; False if absent."""
         i, r = self.locate(h)
         if not r:
             return False
+        self.delete_at(i)
+        return True
+
+    def drop_row(self, h: int, row: int) -> None:
+        """Remove the entry of ``row``, whose key is ``h`` (no key comparisons on the way)."""
+        slots = self.slots
+        i = h & self.mask
+        r = slots[i]
+        while r != row:
+            if not r:
+                raise KeyError(f"row {row} is not in the map under {h:#x}")
+            i += 1
+            r = slots[i]
+        self.delete_at(i)
+
+    def delete_at(self, i: int) -> None:
+        """Empty slot ``i`` (occupied); backward-shift the run behind it so no probe ever crosses a
+        hole. """
         slots, keys, mask = self.slots, self.keys, self.mask
         j = i
         while True:
@@ -90,13 +119,11 @@ class KeyIndex:
             r = slots[j]
             if not r:
                 break
-            k = keys[r]
-            if k & mask <= i:
+            if keys[r] & mask <= i:
                 slots[i] = r
                 i = j
         slots[i] = 0
         self.n -= 1
-        return True
 
     def _rebuild(self, bits: int) -> None:
         old = np.frombuffer(self.slots, dtype=np.uint32)

@@ -352,15 +352,9 @@ class TierIndex:
         if tree.garbage:
             tree.sweep(self.sweep_rows)
         bit, sbit = self._bits(slot)
-        rows = tree.store(bit, sbit, hashes, prow)
-        if engine_hashes is not None:
-            set_alias, eng = tree.set_alias, tree.eng
-            exc = None
-            for r, e, h in zip(rows, engine_hashes, hashes):
-                if eng[r] != e and not set_alias(r, e):  # this engine hashes these tokens differently
-                    if exc is None:
-                        exc = self._exc.setdefault(slot, {})
-                    exc[e] = h
+        exc = tree.store(bit, sbit, hashes, prow, engine_hashes)
+        if exc:  # this engine hashes these tokens differently
+            self._exc.setdefault(slot, {}).update(exc)
         if self._pending:
             self._pending.confirm(slot, hashes)
         self._counts["gpu_stored"] += len(hashes)
@@ -400,25 +394,26 @@ class TierIndex:
         if slot is None:
             return 0
         bit, sbit = self._bits(slot)
-        held = bit | sbit
-        known = 0
         tree = self._tree
-        alocate, mval, mid, exc = tree.alias.locate, tree.mval, tree.mid, self._exc.get(slot)
-        for e in block_hashes:
-            if exc:
+        exc = self._exc.get(slot)
+        if exc:  # aliases of its own: resolved one by one
+            held = bit | sbit
+            known = 0
+            missing = []
+            for e in block_hashes:
                 r = self._resolve(slot, e, held)
-            else:  # no aliases of its own: the shared map alone (the common case, inlined)
-                r = alocate(e)[1]
-                if r and not mval[mid[r]] & held:
-                    r = 0
-            if not r:
-                if self._orphans.removed(slot, e):
+                if r:
                     known += 1
+                    tree.clear(r, bit, sbit)
                 else:
-                    self._counts["gpu_unknown_removed"] += 1
-                continue
-            known += 1
-            tree.clear(r, bit, sbit)
+                    missing.append(e)
+        else:  # the shared map alone (the common case)
+            known, missing = tree.remove_engine(block_hashes, bit, sbit)
+        for e in missing:
+            if self._orphans.removed(slot, e):
+                known += 1
+            else:
+                self._counts["gpu_unknown_removed"] += 1
         self._counts["gpu_removed"] += known
         return known
 
@@ -429,13 +424,7 @@ class TierIndex:
         if slot is None:
             return 0
         bit, sbit = self._bits(slot)
-        tree = self._tree
-        n = 0
-        for h in hashes:
-            r = tree.find(h)
-            if r:
-                tree.clear(r, bit, sbit)
-                n += 1
+        n = self._tree.remove_keys(hashes, bit, sbit)
         self._counts["gpu_removed"] += n
         return n
 

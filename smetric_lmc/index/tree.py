@@ -24,7 +24,8 @@ out, and both stay monotone because a fresh store refreshes its ancestors.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -142,45 +143,91 @@ class GpuTree:
     def find(self, h: int) -> int:
         return self.rows.find(h)
 
-    def _delete(self, r: int) -> None:
-        """Free row ``r`` (its children are gone already). Link columns are reset on reuse."""
-        p = self.par[r]
-        if p:
-            a, b = self.prv[r], self.nxt[r]
-            if a:
-                self.nxt[a] = b
-            else:
-                self.kid[p] = b
-            if b:
-                self.prv[b] = a
-        self.rows.delete(self.key[r])
-        e = self.eng[r]
-        if e:
-            self.alias.delete(e)
-            self.eng[r] = 0
-        i = self.mid[r]
-        if i:
-            left = self.mref[i] - 1
-            self.mref[i] = left
-            if not left:
-                self._decref(i, 0)
-            self.mid[r] = 0
-        self.key[r] = 0
-        self.free.append(r)
-        self.nodes -= 1
+    def _free_subtree(self, x: int, bit: int = 0, drop: int = 0) -> tuple[int, int]:
+        """Free row ``x`` and every row below it, which hold nothing but ``bit``/``drop`` (or
+        nothing: garbage). Returns how many of them carried ``bit`` and ``drop``.
 
-    def _subtree(self, r: int) -> list[int]:
-        """Rows of ``r``'s subtree, every parent before its children."""
-        out, stack = [], [r]
-        kid, nxt = self.kid, self.nxt
+        Hot in the simulator (an eviction trims hundreds of blocks at once): both maps' deletes
+        are inlined (as ``KeyIndex.drop_row``), each entry found by its row id."""
+        key, eng, mid, par, kid, nxt, prv = self.key, self.eng, self.mid, self.par, self.kid, self.nxt, self.prv
+        mval, free = self.mval, self.free
+        rows, alias = self.rows, self.alias
+        rslots, rmask, aslots, amask = rows.slots, rows.mask, alias.slots, alias.mask
+        p = par[x]
+        if p:  # only the top one is unlinked: the rows below go with it
+            a, b = prv[x], nxt[x]
+            if a:
+                nxt[a] = b
+            else:
+                kid[p] = b
+            if b:
+                prv[b] = a
+        n_bit = n_drop = n_alias = dec = 0
+        dec_id = -1  # mask refcounts drop by runs: a chain's rows share one mask id
+        gone: list[int] = []
+        stack = [x]
         while stack:
-            x = stack.pop()
-            out.append(x)
-            c = kid[x]
+            r = stack.pop()
+            c = kid[r]
             while c:
                 stack.append(c)
                 c = nxt[c]
-        return out
+            i = mid[r]
+            if i != dec_id:
+                if dec:
+                    self._unref(dec_id, dec)
+                dec_id, dec = i, 0
+                m = mval[i]
+                mb, md = m & bit, m & drop
+            dec += 1
+            if mb:
+                n_bit += 1
+            if md:
+                n_drop += 1
+            h = key[r]
+            i = h & rmask
+            y = rslots[i]
+            while y != r:
+                i += 1
+                y = rslots[i]
+            j = i
+            while True:
+                j += 1
+                y = rslots[j]
+                if not y:
+                    break
+                if key[y] & rmask <= i:
+                    rslots[i] = y
+                    i = j
+            rslots[i] = 0
+            e = eng[r]
+            if e:
+                i = e & amask
+                y = aslots[i]
+                while y != r:
+                    i += 1
+                    y = aslots[i]
+                j = i
+                while True:
+                    j += 1
+                    y = aslots[j]
+                    if not y:
+                        break
+                    if eng[y] & amask <= i:
+                        aslots[i] = y
+                        i = j
+                aslots[i] = 0
+                n_alias += 1
+            key[r] = 0  # a free row (its eng column is reset when it is reused)
+            gone.append(r)
+        if dec:
+            self._unref(dec_id, dec)
+        free.extend(reversed(gone))  # a chain's rows come back lowest id last: reused as a run
+        freed = len(gone)
+        rows.n -= freed
+        alias.n -= n_alias
+        self.nodes -= freed
+        return n_bit, n_drop
 
     def set_alias(self, r: int, e: int) -> bool:
         """Record ``e`` as the shared engine hash of row ``r``; False if ``r`` has another one."""
@@ -209,91 +256,296 @@ class GpuTree:
             self._set(r, (m | bit) & ~drop)
             r = par[r]
 
-    def store(self, bit: int, drop: int, hashes: Sequence[int], prev: int) -> list[int]:
+    def store(self, bit: int, drop: int, hashes: Sequence[int], prev: int,
+              engine: Sequence[int] | None = None) -> list[tuple[int, int]] | None:
         """Give ``bit`` (clearing ``drop``, its stale bit) every block of ``hashes``, chained under
-        row ``prev`` (0 = root), which the caller checked ``bit`` or ``drop`` holds."""
+        row ``prev`` (0 = root), which the caller checked ``bit`` or ``drop`` holds. ``engine``:
+        the engine's hash of each block, kept as the row's shared alias where the row has none and
+        no other row has it. Returns the (engine hash, our hash) pairs that could not be (None if
+        none): that engine hashes these blocks its own way.
+
+        Blocks that exist already come first (a prefix other instances hold); once one is new,
+        so is every later one (its chain hash descends from a new one), and :meth:`_new_chain`
+        writes them in bulk."""
         if prev:
             self.refresh(prev, bit, drop)
-        mval, mid, mref = self.mval, self.mid, self.mref
-        rows: list[int] = []
-        add = rows.append
-        solo = -1
-        n_solo = added = undropped = 0
-        key, par, kid, nxt, prv, eng = self.key, self.par, self.kid, self.nxt, self.prv, self.eng
-        run, free = self.run, self.free
-        locate, put = self.rows.locate, self.rows.put
-        left = len(hashes)  # blocks from this one to the end of the call's run
+        n = len(hashes)
+        rows = self.rows
+        rows.reserve(n)
+        if engine is not None:
+            self.alias.reserve(n)
+        mval, mid, key, eng, run = self.mval, self.mid, self.key, self.eng, self.run
+        rslots, rmask = rows.slots, rows.mask
+        exc: list[tuple[int, int]] | None = None
+        added = undropped = k = 0
         for h in hashes:
-            i, r = locate(h)
-            if not r:  # a new row: a free one or appended; inserted at the slot the probe ended on
-                if free:
-                    r = free.pop()
-                    key[r] = h
-                    par[r] = prev
-                    kid[r] = prv[r] = 0
-                    nxt[r] = kid[prev] if prev else 0
-                    run[r] = left
-                else:
-                    r = len(key)
-                    key.append(h)
-                    eng.append(0)
-                    mid.append(0)
-                    par.append(prev)
-                    nxt.append(kid[prev] if prev else 0)
-                    kid.append(0)
-                    prv.append(0)
-                    run.append(left)
-                put(i, h, r)
-                if prev:
-                    if kid[prev]:
-                        prv[kid[prev]] = r
-                    kid[prev] = r
-                self.nodes += 1
-                if solo < 0:
-                    solo = self.intern(bit)
-                    mval = self.mval
-                mid[r] = solo
-                n_solo += 1
-            else:
-                m = mval[mid[r]]
-                if not m & bit or m & drop:
-                    if not m & bit:
-                        added += 1
-                    if m & drop:
-                        undropped += 1
-                    self._set(r, (m | bit) & ~drop)
-                    run[r] = left
-            add(r)
+            i = h & rmask  # KeyIndex.locate, inlined: the ingest hot loop
+            r = rslots[i]
+            while r and key[r] != h:
+                i += 1
+                r = rslots[i]
+            if not r:
+                break
+            m = mval[mid[r]]
+            if not m & bit or m & drop:
+                if not m & bit:
+                    added += 1
+                if m & drop:
+                    undropped += 1
+                self._set(r, (m | bit) & ~drop)
+                run[r] = n - k
+            if engine is not None and eng[r] != engine[k] and not self.set_alias(r, engine[k]):
+                exc = exc or []
+                exc.append((engine[k], h))  # this engine hashes these tokens its own way
             prev = r
-            left -= 1
-        if n_solo:
-            mref[solo] += n_solo
+            k += 1
         count = self.count
-        count[bit] = count.get(bit, 0) + added + n_solo
+        count[bit] = count.get(bit, 0) + added
         if undropped:
             count[drop] -= undropped
-        return rows
+        if k < n:
+            exc = self._new_chain(bit, drop, hashes, engine, k, prev, exc)
+        return exc
+
+    def _new_chain(self, bit: int, drop: int, hashes: Sequence[int], engine: Sequence[int] | None, k: int,
+                   prev: int, exc: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        """New rows for blocks ``k..`` of a store, under row ``prev``: allocated and written column
+        by column (slices where the rows are contiguous, as rows freed by a tail-first eviction
+        are), then put in the maps one probe each."""
+        key, mid, par, kid, nxt, prv, run, eng, free = (
+            self.key, self.mid, self.par, self.kid, self.nxt, self.prv, self.run, self.eng, self.free)
+        m = len(hashes) - k
+        new = hashes[k:] if k else hashes
+        solo = self.intern(bit)
+        nx = kid[prev] if prev else 0
+        f = len(free)
+        a = free[-1] if f else 0
+        if f >= m and free[f - m] == a + m - 1 and free[-m:] == array("I", range(a + m - 1, a - 1, -1)):
+            del free[-m:]  # a run of rows freed tail first: reused by slices
+            rids: Sequence[int] = range(a, a + m)
+            b = a + m
+            key[a:b] = array("Q", new)
+            mid[a:b] = array("I", [solo]) * m
+            par[a:b] = array("I", range(a - 1, b - 1))
+            kid[a:b] = array("I", range(a + 1, b + 1))
+            nxt[a:b] = prv[a:b] = array("I", bytes(4 * m))
+            eng[a:b] = array("Q", bytes(8 * m))  # a freed row's engine hash is left for its reuse to reset
+            run[a:b] = array("I", range(m, 0, -1))
+        elif not f:  # appended
+            a = len(key)
+            rids = range(a, a + m)
+            b = a + m
+            key.extend(new)
+            mid.extend(array("I", [solo]) * m)
+            par.extend(range(a - 1, b - 1))
+            kid.extend(range(a + 1, b + 1))
+            zeros = array("I", bytes(4 * m))
+            nxt.extend(zeros)
+            prv.extend(zeros)
+            eng.extend(array("Q", bytes(8 * m)))
+            run.extend(range(m, 0, -1))
+        else:  # some free rows, some appended: one at a time
+            take = min(f, m)
+            rids = [free.pop() for _ in range(take)] + list(range(len(key), len(key) + m - take))
+            zeros = array("I", bytes(4 * (m - take)))
+            for col in (mid, par, kid, nxt, prv, run):
+                col.extend(zeros)
+            key.extend(array("Q", bytes(8 * (m - take))))
+            eng.extend(array("Q", bytes(8 * (m - take))))
+            up = prev
+            for j, (h, r) in enumerate(zip(new, rids)):
+                key[r] = h
+                mid[r] = solo
+                par[r] = up
+                nxt[r] = prv[r] = kid[r] = eng[r] = 0
+                run[r] = m - j
+                if j:
+                    kid[up] = r
+                up = r
+        kid[rids[-1]] = 0
+        par[rids[0]] = prev
+        rows, alias = self.rows, self.alias
+        rslots, rmask, rend = rows.slots, rows.mask, rows.end
+        aslots, amask, aend = alias.slots, alias.mask, alias.end
+        n_exc = len(exc) if exc else 0
+        done = m
+        for h, r, e in zip(new, rids, engine[k:] if engine is not None else repeat(0)):
+            i = h & rmask
+            x = rslots[i]
+            while x and key[x] != h:
+                i += 1
+                x = rslots[i]
+            if x:  # a later block exists after all (no chain: only made-up hashes do that)
+                done = rids.index(r)
+                break
+            if i >= rend:  # a probe ran into the map's tail: grow (reserve saw to the load)
+                i = rows.grow(h)
+                rslots, rmask, rend = rows.slots, rows.mask, rows.end
+            rslots[i] = r
+            if e:
+                j = e & amask
+                y = aslots[j]
+                while y and eng[y] != e:
+                    j += 1
+                    y = aslots[j]
+                if y:
+                    exc = exc or []
+                    exc.append((e, h))
+                else:
+                    eng[r] = e
+                    if j >= aend:
+                        j = alias.grow(e)
+                        aslots, amask, aend = alias.slots, alias.mask, alias.end
+                    aslots[j] = r
+        rows.n += done
+        if engine is not None:  # each placed row with an engine hash got its alias or an exception
+            alias.n += done - ((len(exc) if exc else 0) - n_exc) - engine[k:k + done].count(0)
+        if done:
+            first = rids[0]
+            nxt[first] = nx
+            if prev:
+                if nx:
+                    prv[nx] = first
+                kid[prev] = first
+            self.mref[solo] += done
+            self.count[bit] = self.count.get(bit, 0) + done
+            self.nodes += done
+        if done < m:  # rows not placed go back; the rest is stored the general way
+            for r in rids[done:]:
+                key[r] = mid[r] = 0
+                free.append(r)
+            up = rids[done - 1] if done else prev
+            if done:
+                kid[up] = 0
+            else:
+                self._decref(solo, 0)
+            more = self.store(bit, drop, hashes[k + done:], up, None if engine is None else engine[k + done:])
+            if more:
+                exc = (exc or []) + more
+        return exc
+
+
+    def remove_keys(self, hashes: Iterable[int], bit: int, drop: int) -> int:
+        """Take ``bit`` and ``drop`` off the rows of ``hashes`` (our keys) and their subtrees.
+        Returns how many of the hashes have a row (held by the slot or not)."""
+        bits = bit | drop
+        mval, mid, key = self.mval, self.mid, self.key
+        slots, mask = self.rows.slots, self.rows.mask
+        found = 0
+        for h in hashes:
+            i = h & mask  # KeyIndex.locate, inlined
+            r = slots[i]
+            while r and key[r] != h:
+                i += 1
+                r = slots[i]
+            if r:
+                found += 1
+                if mval[mid[r]] & bits:
+                    self.clear(r, bit, drop)
+        return found
+
+    def remove_engine(self, hashes: Iterable[int], bit: int, drop: int) -> tuple[int, list[int]]:
+        """Take ``bit`` and ``drop`` off the rows of ``hashes`` (engine hashes, resolved through
+        the shared map) and their subtrees. Returns (rows found, hashes not found); a row neither
+        bit holds counts as not found.
+
+        The ingest hot loop: a leaf only this slot's fresh bit holds (what vLLM's eviction, tail
+        first, removes nearly always) is freed inline, both maps' deletes included (as
+        ``KeyIndex.delete_at``); anything else goes through :meth:`clear`."""
+        bits = bit | drop
+        mval, mid, kid, nxt, prv, par = self.mval, self.mid, self.kid, self.nxt, self.prv, self.par
+        key, eng, free = self.key, self.eng, self.free
+        alias, rows = self.alias, self.rows
+        aslots, amask, rslots, rmask = alias.slots, alias.mask, rows.slots, rows.mask
+        missing: list[int] = []
+        slow = dec = 0
+        dec_id = -1  # mask refcounts drop by runs: a run of leaves shares one mask id
+        f0 = len(free)
+        for e in hashes:
+            i = e & amask
+            r = aslots[i]
+            while r and eng[r] != e:
+                i += 1
+                r = aslots[i]
+            if not r:
+                missing.append(e)
+                continue
+            mi = mid[r]
+            m = mval[mi]
+            if m != bit or kid[r]:
+                if m & bits:
+                    f = len(free)
+                    self.clear(r, bit, drop)
+                    slow += 1
+                    f0 += len(free) - f  # not the inline path's
+                else:
+                    missing.append(e)
+                continue
+            p = par[r]
+            if p:
+                a = prv[r]
+                b = nxt[r]
+                if a:
+                    nxt[a] = b
+                else:
+                    kid[p] = b
+                if b:
+                    prv[b] = a
+            j = i
+            while True:
+                j += 1
+                x = aslots[j]
+                if not x:
+                    break
+                if eng[x] & amask <= i:
+                    aslots[i] = x
+                    i = j
+            aslots[i] = 0
+            h = key[r]
+            i = h & rmask  # the row's key is found by row id, no comparisons
+            x = rslots[i]
+            while x != r:
+                i += 1
+                x = rslots[i]
+            j = i
+            while True:
+                j += 1
+                x = rslots[j]
+                if not x:
+                    break
+                if key[x] & rmask <= i:
+                    rslots[i] = x
+                    i = j
+            rslots[i] = 0
+            key[r] = 0  # a free row (its eng column is reset when it is reused)
+            if mi != dec_id:
+                if dec:
+                    self._unref(dec_id, dec)
+                dec_id, dec = mi, 0
+            dec += 1
+            free.append(r)
+        if dec:
+            self._unref(dec_id, dec)
+        freed = len(free) - f0
+        if freed:
+            alias.n -= freed
+            rows.n -= freed
+            self.nodes -= freed
+            self.count[bit] -= freed
+        return freed + slow, missing
+
+    def _unref(self, i: int, n: int) -> None:
+        left = self.mref[i] - n
+        self.mref[i] = left
+        if not left:
+            self._decref(i, 0)
 
     def clear(self, r: int, bit: int, drop: int) -> int:
         """Take ``bit`` and ``drop`` off ``r`` and its subtree (a hole cuts the prefix below it).
         Returns how many rows the slot lost."""
         bits = bit | drop
         mval, mid, kid, nxt = self.mval, self.mid, self.kid, self.nxt
-        if not kid[r]:  # a leaf: what eviction (tail first) removes nearly always
-            m = mval[mid[r]]
-            c = m & bits
-            if not c:
-                return 0
-            if c & bit:
-                self.count[bit] -= 1
-            if c & drop:
-                self.count[drop] -= 1
-            if m & ~bits:
-                self._set(r, m & ~bits)
-            else:
-                self._delete(r)
-            return 1
-        stack, dead = [r], []
+        stack = [r]
         n_bit = n_drop = 0
         while stack:
             x = stack.pop()
@@ -301,24 +553,21 @@ class GpuTree:
             c = m & bits
             if not c:
                 continue  # completeness: nothing below holds the slot either
+            nm = m & ~bits
+            if not nm:  # completeness: nothing below holds anything else either
+                nb, nd = self._free_subtree(x, bit, drop)
+                n_bit += nb
+                n_drop += nd
+                continue
             if c & bit:
                 n_bit += 1
             if c & drop:
                 n_drop += 1
-            nm = m & ~bits
             self._set(x, nm)
-            if not nm:
-                dead.append(x)
             ch = kid[x]
             while ch:
                 stack.append(ch)
                 ch = nxt[ch]
-        if dead:
-            # An emptied row's whole subtree is empty (completeness), garbage rows included.
-            emptied = set(dead)
-            for x in [x for x in dead if self.par[x] not in emptied]:
-                for y in reversed(self._subtree(x)):
-                    self._delete(y)
         count = self.count
         if n_bit:
             count[bit] -= n_bit
@@ -339,12 +588,11 @@ class GpuTree:
         hits = (np.flatnonzero(dead_ids[col[a:b]]) + a).tolist()
         del col
         freed = 0
+        nodes = self.nodes
         for r in hits:
             if self.key[r] and not self.mval[self.mid[r]]:
-                sub = self._subtree(r)  # completeness: all of it is garbage too
-                for x in reversed(sub):
-                    self._delete(x)
-                freed += len(sub)
+                self._free_subtree(r)  # completeness: all of it is garbage too
+        freed = nodes - self.nodes
         self.sweep_pos = b
         if b >= n:
             self.garbage = False
