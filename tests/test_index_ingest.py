@@ -201,3 +201,31 @@ def test_rows_freed_tail_first_are_reused_in_place_and_maps_grow_mid_store():
     check_tree(ix)
     assert len(t.key) == rows_before
     assert ix.lookup(ours).gpu_blocks == [3000]
+
+
+def test_a_probe_run_into_the_maps_tail_grows_them_mid_store():
+    """Made-up keys and engine hashes sharing their low 20 bits pile into one cluster that runs
+    past the maps' tail within a single store."""
+    ix = TierIndex(16)
+    ix.register_instance("a")
+    keys = [(j << 20) | 0xFFFFF for j in range(1, 1101)]
+    ix.gpu_stored_hashes("a", keys, engine_hashes=[k ^ (1 << 63) for k in keys])
+    check_tree(ix)
+    assert ix.lookup(keys).gpu_blocks == [1100]
+    ix.gpu_removed("a", [k ^ (1 << 63) for k in keys[::-1][:600]])
+    check_tree(ix)
+    assert ix.lookup(keys).gpu_blocks == [500]
+
+
+def test_an_engine_hash_another_block_has_is_kept_as_that_instances_own():
+    ix = TierIndex(16)
+    ix.register_instance("a")
+    ix.register_instance("b")
+    ta, tb = [1] * 16, [2] * 16
+    ix.gpu_stored("a", [77], None, ta, 16)
+    ix.gpu_stored("b", [77], None, tb, 16)  # same engine hash, other tokens: b's own alias
+    check_tree(ix)
+    assert ix.gpu_removed("b", [77]) == 1
+    check_tree(ix)
+    assert ix.lookup(fast_chain(ta, 16)).gpu_blocks == [1, 0]
+    assert ix.lookup(fast_chain(tb, 16)).gpu_blocks == [0, 0]

@@ -318,51 +318,71 @@ class GpuTree:
         new = hashes[k:] if k else hashes
         solo = self.intern(bit)
         nx = kid[prev] if prev else 0
-        f = len(free)
-        a = free[-1] if f else 0
-        if f >= m and free[f - m] == a + m - 1 and free[-m:] == array("I", range(a + m - 1, a - 1, -1)):
-            del free[-m:]  # a run of rows freed tail first: reused by slices
-            rids: Sequence[int] = range(a, a + m)
-            b = a + m
-            key[a:b] = array("Q", new)
-            mid[a:b] = array("I", [solo]) * m
-            par[a:b] = array("I", range(a - 1, b - 1))
-            kid[a:b] = array("I", range(a + 1, b + 1))
-            nxt[a:b] = prv[a:b] = array("I", bytes(4 * m))
-            eng[a:b] = array("Q", bytes(8 * m))  # a freed row's engine hash is left for its reuse to reset
-            run[a:b] = array("I", range(m, 0, -1))
-        elif not f:  # appended
-            a = len(key)
-            rids = range(a, a + m)
-            b = a + m
-            key.extend(new)
-            mid.extend(array("I", [solo]) * m)
-            par.extend(range(a - 1, b - 1))
-            kid.extend(range(a + 1, b + 1))
-            zeros = array("I", bytes(4 * m))
-            nxt.extend(zeros)
-            prv.extend(zeros)
-            eng.extend(array("Q", bytes(8 * m)))
-            run.extend(range(m, 0, -1))
-        else:  # some free rows, some appended: one at a time
-            take = min(f, m)
-            rids = [free.pop() for _ in range(take)] + list(range(len(key), len(key) + m - take))
-            zeros = array("I", bytes(4 * (m - take)))
-            for col in (mid, par, kid, nxt, prv, run):
-                col.extend(zeros)
-            key.extend(array("Q", bytes(8 * (m - take))))
-            eng.extend(array("Q", bytes(8 * (m - take))))
-            up = prev
-            for j, (h, r) in enumerate(zip(new, rids)):
-                key[r] = h
+        take = min(len(free), m)
+        got = free[-take:] if take else array("I")
+        if take:
+            del free[-take:]
+            got.reverse()  # the order pops would give
+        # Runs of consecutive row ids (rows freed tail first, or a subtree's rows) are written by
+        # slices, appended rows by extend; only a free list in shreds is written row by row.
+        segs: list[tuple[int, int, int]] = []  # (first row, rows, offset in the chain)
+        shreds = False
+        if take:
+            g0 = got[0]
+            if got[-1] - g0 == take - 1 and got == array("I", range(g0, g0 + take)):
+                segs.append((g0, take, 0))
+            else:
+                cut = (np.flatnonzero(np.diff(np.frombuffer(got, dtype=np.uint32).astype(np.int64)) != 1) + 1).tolist()
+                if len(cut) * 8 < take:
+                    bounds = [0, *cut, take]
+                    segs += [(got[s], e - s, s) for s, e in zip(bounds, bounds[1:])]
+                else:
+                    shreds = True
+        if m > take:
+            segs.append((len(key), m - take, take))
+        last = 0
+        if shreds:
+            for j, r in enumerate(got):
+                key[r] = new[j]
                 mid[r] = solo
-                par[r] = up
+                par[r] = last
                 nxt[r] = prv[r] = kid[r] = eng[r] = 0
                 run[r] = m - j
                 if j:
-                    kid[up] = r
-                up = r
-        kid[rids[-1]] = 0
+                    kid[last] = r
+                last = r
+        for a, c, off in segs:
+            b = a + c
+            keys = array("Q", new[off:off + c] if c < m else new)
+            mids = array("I", [solo]) * c
+            zeros = array("I", bytes(4 * c))
+            runs = array("I", range(m - off, m - off - c, -1))
+            if a == len(key):  # appended
+                key.extend(keys)
+                mid.extend(mids)
+                par.extend(range(a - 1, b - 1))
+                kid.extend(range(a + 1, b + 1))
+                nxt.extend(zeros)
+                prv.extend(zeros)
+                eng.extend(array("Q", bytes(8 * c)))
+                run.extend(runs)
+            else:
+                key[a:b] = keys
+                mid[a:b] = mids
+                par[a:b] = array("I", range(a - 1, b - 1))
+                kid[a:b] = array("I", range(a + 1, b + 1))
+                nxt[a:b] = prv[a:b] = zeros
+                eng[a:b] = array("Q", bytes(8 * c))  # a freed row's engine hash is left for its reuse to reset
+                run[a:b] = runs
+            if last:
+                par[a] = last
+                kid[last] = a
+            last = b - 1
+        if len(segs) == 1 and not shreds:
+            rids: Sequence[int] = range(segs[0][0], segs[0][0] + m)
+        else:
+            rids = (got.tolist() if shreds else []) + [r for a, c, _ in segs for r in range(a, a + c)]
+        kid[last] = 0
         par[rids[0]] = prev
         rows, alias = self.rows, self.alias
         rslots, rmask, rend = rows.slots, rows.mask, rows.end
