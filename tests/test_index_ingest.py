@@ -229,3 +229,37 @@ def test_an_engine_hash_another_block_has_is_kept_as_that_instances_own():
     check_tree(ix)
     assert ix.lookup(fast_chain(ta, 16)).gpu_blocks == [1, 0]
     assert ix.lookup(fast_chain(tb, 16)).gpu_blocks == [0, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([0, 0xFFFFF, (1 << 64) - 1024]))
+def test_key_index_matches_a_dict(seed, low_bits):
+    """The map the hot loops inline: inserts, finds, deletes (by key and by row) and growth agree
+    with a dict, clustered keys included."""
+    from array import array
+
+    from smetric_lmc.index.table import KeyIndex
+
+    rng = random.Random(seed)
+    keys = array("Q", [0])
+    m = KeyIndex(keys)
+    model: dict[int, int] = {}
+    for _ in range(rng.randint(100, 3000)):
+        if model and rng.random() < 0.4:
+            h = rng.choice(list(model))
+            r = model.pop(h)
+            if rng.random() < 0.5:
+                assert m.delete(h)
+            else:
+                m.drop_row(h, r)
+            keys[r] = 0
+        else:
+            h = (rng.getrandbits(44) << 20 | low_bits) & ((1 << 64) - 1) or 1
+            keys.append(h)
+            assert m.add(h, len(keys) - 1) == (h not in model)
+            if h not in model:
+                model[h] = len(keys) - 1
+        assert m.n == len(model)
+    assert all(m.find(h) == r for h, r in model.items())
+    assert sorted(x for x in m.slots if x) == sorted(model.values())
+    assert not m.delete(0)

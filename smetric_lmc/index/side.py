@@ -67,10 +67,9 @@ class Pending:
             del self.anchors[pos]
 
     def confirm(self, slot: int, hashes: Sequence[int]) -> None:
-        get = self.by_last.get
-        for h in hashes:
-            entry = get(h)
-            if entry is not None and slot in entry[1]:
+        by_last = self.by_last
+        for h in by_last.keys() & hashes:  # the C-level intersection: a store can be long
+            if slot in by_last[h][1]:
                 self._drop(h, slot)
                 self.confirmed += 1
 

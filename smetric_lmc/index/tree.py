@@ -164,64 +164,73 @@ class GpuTree:
                 prv[b] = a
         n_bit = n_drop = n_alias = dec = 0
         dec_id = -1  # mask refcounts drop by runs: a chain's rows share one mask id
+        mb = md = 0
         gone: list[int] = []
         stack = [x]
         while stack:
             r = stack.pop()
-            c = kid[r]
-            while c:
-                stack.append(c)
-                c = nxt[c]
-            i = mid[r]
-            if i != dec_id:
-                if dec:
-                    self._unref(dec_id, dec)
-                dec_id, dec = i, 0
-                m = mval[i]
-                mb, md = m & bit, m & drop
-            dec += 1
-            if mb:
-                n_bit += 1
-            if md:
-                n_drop += 1
-            h = key[r]
-            i = h & rmask
-            y = rslots[i]
-            while y != r:
-                i += 1
+            while r:  # down the first children; later siblings wait on the stack
+                i = mid[r]
+                if i != dec_id:
+                    if dec:
+                        self._unref(dec_id, dec)
+                        if mb:
+                            n_bit += dec
+                        if md:
+                            n_drop += dec
+                    dec_id, dec = i, 0
+                    m = mval[i]
+                    mb, md = m & bit, m & drop
+                dec += 1
+                h = key[r]
+                i = h & rmask
                 y = rslots[i]
-            j = i
-            while True:
-                j += 1
-                y = rslots[j]
-                if not y:
-                    break
-                if key[y] & rmask <= i:
-                    rslots[i] = y
-                    i = j
-            rslots[i] = 0
-            e = eng[r]
-            if e:
-                i = e & amask
-                y = aslots[i]
                 while y != r:
                     i += 1
-                    y = aslots[i]
+                    y = rslots[i]
                 j = i
                 while True:
                     j += 1
-                    y = aslots[j]
+                    y = rslots[j]
                     if not y:
                         break
-                    if eng[y] & amask <= i:
-                        aslots[i] = y
+                    if key[y] & rmask <= i:
+                        rslots[i] = y
                         i = j
-                aslots[i] = 0
-                n_alias += 1
-            key[r] = 0  # a free row (its eng column is reset when it is reused)
-            gone.append(r)
+                rslots[i] = 0
+                e = eng[r]
+                if e:
+                    i = e & amask
+                    y = aslots[i]
+                    while y != r:
+                        i += 1
+                        y = aslots[i]
+                    j = i
+                    while True:
+                        j += 1
+                        y = aslots[j]
+                        if not y:
+                            break
+                        if eng[y] & amask <= i:
+                            aslots[i] = y
+                            i = j
+                    aslots[i] = 0
+                    n_alias += 1
+                key[r] = 0  # a free row (its eng column is reset when it is reused)
+                gone.append(r)
+                c = kid[r]
+                if c:
+                    y = nxt[c]
+                    while y:
+                        stack.append(y)
+                        y = nxt[y]
+                r = c
         if dec:
             self._unref(dec_id, dec)
+            if mb:
+                n_bit += dec
+            if md:
+                n_drop += dec
         free.extend(reversed(gone))  # a chain's rows come back lowest id last: reused as a run
         freed = len(gone)
         rows.n -= freed
