@@ -147,12 +147,12 @@ class GpuTree:
         """Free row ``x`` and every row below it, which hold nothing but ``bit``/``drop`` (or
         nothing: garbage). Returns how many of them carried ``bit`` and ``drop``.
 
-        Hot in the simulator (an eviction trims hundreds of blocks at once): both maps' deletes
-        are inlined (as ``KeyIndex.drop_row``), each entry found by its row id."""
+        Hot in the simulator (an eviction trims hundreds of blocks at once): the key map's delete
+        is inlined (as ``KeyIndex.drop_row``: the entry found by its row id)."""
         key, eng, mid, par, kid, nxt, prv = self.key, self.eng, self.mid, self.par, self.kid, self.nxt, self.prv
         mval, free = self.mval, self.free
         rows, alias = self.rows, self.alias
-        rslots, rmask, aslots, amask = rows.slots, rows.mask, alias.slots, alias.mask
+        rslots, rmask = rows.slots, rows.mask
         p = par[x]
         if p:  # only the top one is unlinked: the rows below go with it
             a, b = prv[x], nxt[x]
@@ -162,7 +162,7 @@ class GpuTree:
                 kid[p] = b
             if b:
                 prv[b] = a
-        n_bit = n_drop = n_alias = dec = 0
+        n_bit = n_drop = dec = 0
         dec_id = -1  # mask refcounts drop by runs: a chain's rows share one mask id
         mb = md = 0
         gone: list[int] = []
@@ -199,23 +199,8 @@ class GpuTree:
                         i = j
                 rslots[i] = 0
                 e = eng[r]
-                if e:
-                    i = e & amask
-                    y = aslots[i]
-                    while y != r:
-                        i += 1
-                        y = aslots[i]
-                    j = i
-                    while True:
-                        j += 1
-                        y = aslots[j]
-                        if not y:
-                            break
-                        if eng[y] & amask <= i:
-                            aslots[i] = y
-                            i = j
-                    aslots[i] = 0
-                    n_alias += 1
+                if e:  # rare here (the simulator has no engine hashes): not inlined
+                    alias.drop_row(e, r)
                 key[r] = 0  # a free row (its eng column is reset when it is reused)
                 gone.append(r)
                 c = kid[r]
@@ -234,7 +219,6 @@ class GpuTree:
         free.extend(reversed(gone))  # a chain's rows come back lowest id last: reused as a run
         freed = len(gone)
         rows.n -= freed
-        alias.n -= n_alias
         self.nodes -= freed
         return n_bit, n_drop
 
@@ -479,13 +463,14 @@ class GpuTree:
         bit holds counts as not found.
 
         The ingest hot loop: a leaf only this slot's fresh bit holds (what vLLM's eviction, tail
-        first, removes nearly always) is freed inline, both maps' deletes included (as
-        ``KeyIndex.delete_at``); anything else goes through :meth:`clear`."""
+        first, removes nearly always) is freed inline, the engine-hash map's delete included (as
+        ``KeyIndex.delete_at``, at the slot the probe found); anything else goes through
+        :meth:`clear`."""
         bits = bit | drop
         mval, mid, kid, nxt, prv, par = self.mval, self.mid, self.kid, self.nxt, self.prv, self.par
         key, eng, free = self.key, self.eng, self.free
         alias, rows = self.alias, self.rows
-        aslots, amask, rslots, rmask = alias.slots, alias.mask, rows.slots, rows.mask
+        aslots, amask = alias.slots, alias.mask
         missing: list[int] = []
         slow = dec = 0
         dec_id = -1  # mask refcounts drop by runs: a run of leaves shares one mask id
@@ -530,22 +515,7 @@ class GpuTree:
                     aslots[i] = x
                     i = j
             aslots[i] = 0
-            h = key[r]
-            i = h & rmask  # the row's key is found by row id, no comparisons
-            x = rslots[i]
-            while x != r:
-                i += 1
-                x = rslots[i]
-            j = i
-            while True:
-                j += 1
-                x = rslots[j]
-                if not x:
-                    break
-                if key[x] & rmask <= i:
-                    rslots[i] = x
-                    i = j
-            rslots[i] = 0
+            rows.drop_row(key[r], r)
             key[r] = 0  # a free row (its eng column is reset when it is reused)
             if mi != dec_id:
                 if dec:
@@ -558,7 +528,6 @@ class GpuTree:
         freed = len(free) - f0
         if freed:
             alias.n -= freed
-            rows.n -= freed
             self.nodes -= freed
             self.count[bit] -= freed
         return freed + slow, missing
