@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -53,18 +54,24 @@ def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:
     return payloads, total
 
 
-def ingest_benchmark(sink: GpuBlockSink, n_events: int, instance_id: str = "bench") -> float:
+def ingest_benchmark(sink: GpuBlockSink | Callable[[], GpuBlockSink], n_events: int, instance_id: str = "bench",
+                     repeats: int = 1) -> float:
     """Decoded + applied block events per second on synthetic vLLM-shaped payloads.
 
     Blocks are 16 tokens; a real index must be configured for that block size and know
-    ``instance_id`` before the run.
+    ``instance_id`` before the run. With ``repeats`` > 1, ``sink`` is a factory called for a fresh
+    sink per pass and the best pass counts (the one least disturbed by other load).
     """
     payloads, total = synthetic_payloads(n_events)
-    applied = 0
-    t0 = time.perf_counter()
-    for payload in payloads:
-        applied += apply_batch(decode_payload(payload), sink, instance_id)
-    elapsed = time.perf_counter() - t0
-    if applied != total:
-        raise RuntimeError(f"applied {applied} of {total} block events")
-    return total / elapsed
+    best = 0.0
+    for _ in range(repeats):
+        target = sink() if callable(sink) else sink
+        applied = 0
+        t0 = time.perf_counter()
+        for payload in payloads:
+            applied += apply_batch(decode_payload(payload), target, instance_id)
+        elapsed = time.perf_counter() - t0
+        if applied != total:
+            raise RuntimeError(f"applied {applied} of {total} block events")
+        best = max(best, total / elapsed)
+    return best
