@@ -23,6 +23,7 @@ def check_tree(ix: TierIndex) -> None:
         assert len(col) == n_rows
     live = [r for r in range(1, n_rows) if t.key[r]]
     assert sorted(t.free) == [r for r in range(1, n_rows) if not t.key[r]]
+    assert not any(t.mid[r] for r in t.free)  # a free row holds nothing (exports select rows by mask)
     assert t.nodes == len(live) == t.rows.n
     # Maps: each live row once, under its key; each engine hash once, under its row.
     assert sorted(x for x in t.rows.slots if x) == live

@@ -201,7 +201,7 @@ class GpuTree:
                 e = eng[r]
                 if e:  # rare here (the simulator has no engine hashes): not inlined
                     alias.drop_row(e, r)
-                key[r] = 0  # a free row (its eng column is reset when it is reused)
+                key[r] = mid[r] = 0  # a free row (its eng column is reset when it is reused)
                 gone.append(r)
                 c = kid[r]
                 if c:
@@ -516,7 +516,7 @@ class GpuTree:
                     i = j
             aslots[i] = 0
             rows.drop_row(key[r], r)
-            key[r] = 0  # a free row (its eng column is reset when it is reused)
+            key[r] = mid[r] = 0  # a free row (its eng column is reset when it is reused)
             if mi != dec_id:
                 if dec:
                     self._unref(dec_id, dec)
