@@ -17,7 +17,9 @@ from .presets import PAPER_TRACE1, PRESETS, preset_workload, requests_per_root
 log = logging.getLogger(__name__)
 
 
-def _load(spec: str, shared_prefix: bool, sessions: int, seed: int, scale: float, preset: str = "weka") -> Workload:
+def _load(
+    spec: str, shared_prefix: bool, sessions: int, seed: int, scale: float, preset: str = "weka"
+) -> Workload:
     if spec == "synthetic":
         return preset_workload(preset, sessions, seed=seed, scale=scale)
     return load_any(spec, shared_prefix=shared_prefix)
@@ -58,7 +60,9 @@ def preset_rows(workloads: dict[str, Workload], kv_tokens: int) -> list[tuple[st
     for label, w in workloads.items():
         r = analyze(w, scope="session")
         tot = max(r.reuse["total"], 1e-12)
-        within = float(np.interp(100.0, r.interval_edges, r.interval_cdf)) if len(r.interval_cdf) else float("nan")
+        within = (
+            float(np.interp(100.0, r.interval_edges, r.interval_cdf)) if len(r.interval_cdf) else float("nan")
+        )
         rows.append((label, [
             f"{r.reuse['total']:.1%}", f"{r.reuse['intra_session'] / tot:.1%}",
             f"{r.reuse['system_prompt'] / tot:.1%}", f"{r.reuse['inter_session'] / tot:.1%}",
@@ -74,8 +78,14 @@ def presets_table(workloads: dict[str, Workload], kv_tokens: int) -> str:
     lo, hi = PAPER_TRACE1["system_prompt_share"]  # type: ignore[misc]
     paper = [f"≈{PAPER_TRACE1['reuse_total']:.0%}", f"≈{PAPER_TRACE1['intra_share']:.0%}", f"{lo:.0%}–{hi:.0%}",
              "the rest (≈13–15%)", "≈90%", f"≈{PAPER_TRACE1['reuse_p90_s']:.0f}", "–", "–", "–"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| paper, Trace 1 | " + " | ".join(paper) + " |"]
-    lines += ["| " + label + " | " + " | ".join(cells) + " |" for label, cells in preset_rows(workloads, kv_tokens)]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        "| paper, Trace 1 | " + " | ".join(paper) + " |",
+    ]
+    lines += [
+        "| " + label + " | " + " | ".join(cells) + " |" for label, cells in preset_rows(workloads, kv_tokens)
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -84,12 +94,15 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
     kv = load_profile("qwen3-30b-a3b-h20").kv_capacity_tokens()
     wls: dict[str, Workload] = {
-        f"preset {name} ({args.sessions} roots)": preset_workload(name, args.sessions, seed=args.seed) for name in PRESETS
+        f"preset {name} ({args.sessions} roots)": preset_workload(name, args.sessions, seed=args.seed)
+        for name in PRESETS
     }
     if args.weka:
         wls["WEKA trace, --shared-prefix"] = load_any(args.weka, shared_prefix=True)
     print(presets_table(wls, kv))
-    print(f"(reuse split per session, as the paper counts it; KV = {kv:,} tokens per instance, default profile)")
+    print(
+        f"(reuse split per session, as the paper counts it; KV = {kv:,} tokens per instance, default profile)"
+    )
     return 0
 
 

@@ -38,8 +38,12 @@ PAPER_TRACE1 = {
 TRACE1 = dataclasses.replace(
     WEKA_FIT,
     label="trace1",
-    main=AgentParams(prompt_tokens=18000, calls=LogNormal(0.6, 0.9), max_calls=200, first_extra=LogNormal(6.5, 1.0)),
-    fork=AgentParams(prompt_tokens=18000, calls=LogNormal(0.7, 0.6), max_calls=30, first_extra=LogNormal(6.5, 0.8)),
+    main=AgentParams(
+        prompt_tokens=18000, calls=LogNormal(0.6, 0.9), max_calls=200, first_extra=LogNormal(6.5, 1.0)
+    ),
+    fork=AgentParams(
+        prompt_tokens=18000, calls=LogNormal(0.7, 0.6), max_calls=30, first_extra=LogNormal(6.5, 0.8)
+    ),
     fork_rate=0.5,
     subagent_rate=0.0,
     frameworks={"claude-code": 0.6, "openclaw": 0.3, "other": 0.1},
@@ -80,7 +84,9 @@ def requests_per_root(w: Workload) -> float:
     return w.n_requests / max(1, roots)
 
 
-def nominal_rate(w: Workload, instances: int, rpm_per_instance: float = PAPER_TRACE1["rpm_per_instance"]) -> float:  # type: ignore[assignment]
+def nominal_rate(
+    w: Workload, instances: int, rpm_per_instance: float = PAPER_TRACE1["rpm_per_instance"]
+) -> float:  # type: ignore[assignment]
     """Root-session arrivals per second that offer `rpm_per_instance` requests/min/instance (the
     paper's Trace 1 load: 43) to `instances` instances."""
     return rpm_per_instance * instances / 60.0 / requests_per_root(w)
