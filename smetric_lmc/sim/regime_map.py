@@ -1,0 +1,344 @@
+"""``smetric sim map``: where does SMetric beat the best baseline? A map over the regime.
+
+Axes: x = mean context ÷ per-instance KV capacity (the synthetic preset's context-length scale is
+set so that its mean request reaches x × the profile's KV tokens), and the global tier's
+provisioning (none, 0.4 and 1.6 × the cluster's local capacity, full). Each cell finds its own
+saturation knee: a pilot run of SMetric measures the GPU busy share at a first guess of the load and
+scales the session rate to ~90% busy; every policy then runs at rates around that knee and is
+credited with its best TPS within SLO. A cell whose best rate is the top of its sweep, or whose peak
+is below 80% GPU busy, is flagged: its knee was not bracketed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.sim.batch import Task, run_tasks
+from smetric_lmc.sim.config import SimConfig
+from smetric_lmc.sim.profile import Profile
+from smetric_lmc.workload.model import Workload
+from smetric_lmc.workload.presets import preset_workload, requests_per_root
+
+log = logging.getLogger(__name__)
+
+X_POINTS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.6)
+TIERS = ("none", "0.4", "1.6", "full")
+BASELINES = ("load_balance", "bailian", "lmetric", "dynamo")
+TARGET_BUSY = 0.9
+BUSY_FLAG = 0.8
+
+
+@dataclass
+class MapSpec:
+    preset: str = "trace1"
+    xs: Sequence[float] = X_POINTS
+    tiers: Sequence[str] = TIERS
+    ours: str = "smetric"
+    variant: str | None = None
+    baselines: Sequence[str] = BASELINES
+    instances: int = 16
+    pool_roots: int = 2000  # root sessions generated per x (points use the first N of a random order)
+    window_s: float = 2400.0  # target session-arrival window of a point (its measured period)
+    min_roots: int = 150
+    rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
+    seed: int = 0
+    variant_policy: PolicyConfig | None = None  # the variant's parameters (YAML); None: defaults
+
+    @property
+    def policies(self) -> list[str]:
+        return [self.ours, *([self.variant] if self.variant else []), *self.baselines]
+
+
+@dataclass
+class Cell:
+    x_target: float
+    tier: str
+    x: float  # measured: mean input tokens / KV tokens per instance
+    scale: float
+    knee_rate: float
+    peaks: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy -> summary at its best rate
+    by_rate: dict[str, dict[float, float]] = field(default_factory=dict)  # policy -> rate -> score
+    flags: list[str] = field(default_factory=list)
+
+    def score(self, policy: str) -> float:
+        p = self.peaks.get(policy)
+        return float("nan") if p is None else float(p["tps_slo"])
+
+    def best_baseline(self, baselines: Sequence[str]) -> tuple[str, float]:
+        got = [(b, self.score(b)) for b in baselines if b in self.peaks]
+        if not got:
+            return "", float("nan")
+        return max(got, key=lambda kv: kv[1])
+
+    def ratio(self, policy: str, baselines: Sequence[str]) -> float:
+        _, b = self.best_baseline(baselines)
+        return self.score(policy) / b if b > 0 else float("nan")
+
+
+@dataclass
+class RegimeMap:
+    spec: MapSpec
+    kv_tokens: int
+    cells: list[Cell]
+
+    def cell(self, x: float, tier: str) -> Cell:
+        return next(c for c in self.cells if c.x_target == x and c.tier == tier)
+
+    def ratios(self, policy: str, vs: Sequence[str] | None = None) -> list[float]:
+        b = list(vs) if vs is not None else list(self.spec.baselines)
+        return [c.ratio(policy, b) for c in self.cells]
+
+
+def _scale_for(preset: str, x: float, kv: int, mean1: float) -> float:
+    return x * kv / mean1
+
+
+def _guess_rate(wl: Workload, prof: Profile, instances: int) -> float:
+    """Root sessions/s that would keep the GPUs ~50% busy by a crude cost model (a pilot corrects it)."""
+    reqs = [r for _, r in wl.iter_requests()]
+    mean_in = sum(r.input_tokens for r in reqs) / max(1, len(reqs))
+    mean_out = sum(r.output_tokens for r in reqs) / max(1, len(reqs))
+    miss = int(0.25 * mean_in) + 1
+    prefill = prof.iteration_time([(miss, int(mean_in - miss))], 0, 0)
+    batch = 16
+    decode = mean_out * prof.iteration_time([], batch, int(batch * mean_in)) / batch
+    per_req = prefill + decode
+    return 0.5 * instances / (per_req * requests_per_root(wl))
+
+
+def _roots(spec: MapSpec, rate: float) -> int:
+    return int(min(spec.pool_roots, max(spec.min_roots, math.ceil(rate * spec.window_s))))
+
+
+def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
+    return msgspec.structs.replace(
+        base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, max_sessions=_roots(spec, rate)
+    )
+
+
+def _policy(spec: MapSpec, name: str) -> PolicyConfig:
+    if spec.variant_policy is not None and name == spec.variant_policy.name:
+        return spec.variant_policy
+    return PolicyConfig(name=name)  # type: ignore[arg-type]
+
+
+def build_workloads(spec: MapSpec, prof: Profile, block_size: int = 64) -> tuple[dict[str, Workload], dict[float, float]]:
+    """One workload per x (key f"x{x}"), and the scale used for each."""
+    kv = prof.kv_capacity_tokens()
+    limit = int(0.9 * prof.max_context(block_size))
+    one = preset_workload(spec.preset, min(spec.pool_roots, 400), seed=spec.seed, context_limit=limit)
+    mean1 = sum(r.input_tokens for _, r in one.iter_requests()) / max(1, one.n_requests)
+    wls: dict[str, Workload] = {}
+    scales: dict[float, float] = {}
+    for x in spec.xs:
+        s = _scale_for(spec.preset, x, kv, mean1)
+        wl = preset_workload(spec.preset, spec.pool_roots, seed=spec.seed, scale=s, context_limit=limit)
+        # contexts clipped at the model's window fall short of the target: scale up once to compensate
+        got = sum(r.input_tokens for _, r in wl.iter_requests()) / max(1, wl.n_requests) / kv
+        if got < 0.95 * x:
+            s *= x / got
+            wl = preset_workload(spec.preset, spec.pool_roots, seed=spec.seed, scale=s, context_limit=limit)
+        wls[f"x{x}"] = wl
+        scales[x] = s
+    return wls, scales
+
+
+def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> RegimeMap:
+    kv = prof.kv_capacity_tokens()
+    wls, scales = build_workloads(spec, prof)
+    keys = [(x, t) for x in spec.xs for t in spec.tiers]
+    # 1. pilot: SMetric at a guessed load; scale the rate to the target busy share (twice)
+    guess = {x: _guess_rate(wls[f"x{x}"], prof, spec.instances) for x in spec.xs}
+    knee = {(x, t): guess[x] for x, t in keys}
+    for it in range(2):
+        tasks = [Task(f"x{x}", _cfg(base, spec, t, knee[(x, t)]), _policy(spec, spec.ours), prof) for x, t in keys]
+        res = run_tasks(wls, tasks, jobs, desc=f"map pilot {it + 1}/2")
+        for (x, t), r in zip(keys, res):
+            busy = max(float(r.summary["gpu_busy_share"]), 0.05)
+            knee[(x, t)] *= min(4.0, max(0.25, TARGET_BUSY / busy))
+    # 2. every policy around each cell's knee
+    tasks, where = [], []
+    for x, t in keys:
+        for p in spec.policies:
+            for f in spec.rate_factors:
+                rate = knee[(x, t)] * f
+                tasks.append(Task(f"x{x}", _cfg(base, spec, t, rate), _policy(spec, p), prof))
+                where.append((x, t, p, rate))
+    res = run_tasks(wls, tasks, jobs, desc="map")
+    cells: dict[tuple[float, str], Cell] = {}
+    for x, t in keys:
+        wl = wls[f"x{x}"]
+        mean = sum(r.input_tokens for _, r in wl.iter_requests()) / max(1, wl.n_requests)
+        cells[(x, t)] = Cell(x, t, mean / kv, scales[x], knee[(x, t)])
+    top = max(spec.rate_factors)
+    for (x, t, p, rate), r in zip(where, res):
+        c = cells[(x, t)]
+        c.by_rate.setdefault(p, {})[rate] = r.score
+        s = r.summary
+        if p not in c.peaks or r.score > c.peaks[p]["tps_slo"]:
+            c.peaks[p] = dict(s, rate=rate, rate_factor=rate / c.knee_rate)
+    for c in cells.values():
+        for p, s in c.peaks.items():
+            if s["rate_factor"] >= top - 1e-9:
+                c.flags.append(f"{p}: best at the top rate")
+            if s["gpu_busy_share"] < BUSY_FLAG:
+                c.flags.append(f"{p}: peak at {s['gpu_busy_share']:.0%} busy")
+    return RegimeMap(spec, kv, [cells[k] for k in keys])
+
+
+# ---- presentation -------------------------------------------------------------------------------
+
+
+def _r(v: float) -> str:
+    return "–" if v != v else f"{v:.2f}"
+
+
+def map_table(m: RegimeMap, policy: str) -> str:
+    """Ratio of `policy` to the best baseline per cell (rows: global tier, columns: x)."""
+    xs = list(m.spec.xs)
+    head = "| global tier \\ x | " + " | ".join(f"{m.cell(x, m.spec.tiers[0]).x:.3f}" for x in xs) + " |"
+    lines = [head, "|" + "---|" * (len(xs) + 1)]
+    for t in m.spec.tiers:
+        row = []
+        for x in xs:
+            c = m.cell(x, t)
+            b, _ = c.best_baseline(m.spec.baselines)
+            row.append(f"{_r(c.ratio(policy, m.spec.baselines))} ({b})" + (" *" if c.flags else ""))
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def detail_table(m: RegimeMap) -> str:
+    """Per cell: knee, every policy's peak TPS within SLO and where SMetric's hits come from."""
+    pols = m.spec.policies
+    head = ["x", "tier", "knee (sessions/s)", *pols, "smetric local/global/miss", "best baseline local/global/miss",
+            "smetric imbalance", "best imbalance", "smetric busy", "smetric rpm/inst"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in m.cells:
+        s = c.peaks.get(m.spec.ours, {})
+        b, _ = c.best_baseline(m.spec.baselines)
+        bs = c.peaks.get(b, {})
+
+        def split(d: dict[str, Any]) -> str:
+            return "–" if not d else f"{d['hit_local']:.2f}/{d['hit_global']:.2f}/{d['hit_miss']:.2f}"
+
+        row = [f"{c.x:.3f}", c.tier, f"{c.knee_rate:.3g}", *(f"{c.score(p):,.0f}" for p in pols), split(s), split(bs),
+               _r(s.get("token_imbalance_mean", math.nan)), _r(bs.get("token_imbalance_mean", math.nan)),
+               f"{s.get('gpu_busy_share', math.nan):.0%}", f"{s.get('rpm_per_instance', math.nan):.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean(v: list[float]) -> float:
+    v = [a for a in v if a == a]
+    return sum(v) / len(v) if v else float("nan")
+
+
+def regions(m: RegimeMap) -> list[tuple[str, list[Cell]]]:
+    """The map cut into regions: (no / partial / full global tier) x (short / long contexts)."""
+    groups = {"no global tier": ["none"], "partial global tier (0.4, 1.6)": ["0.4", "1.6"], "full global tier": ["full"]}
+    out = []
+    for gname, tiers in groups.items():
+        for lo, hi, xname in ((0.0, 0.15, "x ≤ 0.1"), (0.15, 10.0, "x ≥ 0.2")):
+            cells = [c for c in m.cells if c.tier in tiers and lo <= c.x_target < hi]
+            if cells:
+                out.append((f"{gname}, {xname}", cells))
+    return out
+
+
+def region_paragraphs(m: RegimeMap) -> str:
+    """One paragraph per region, every claim taken from the cells' numbers."""
+    ours, var, bl = m.spec.ours, m.spec.variant, m.spec.baselines
+    paras = []
+    for name, cells in regions(m):
+        r = [c.ratio(ours, bl) for c in cells]
+        best = [c.best_baseline(bl)[0] for c in cells]
+        common = max(set(best), key=best.count)
+        sm = [c.peaks[ours] for c in cells if ours in c.peaks]
+        bb = [c.peaks[b] for c, b in zip(cells, best) if b in c.peaks]
+
+        def avg(rows: list[dict[str, Any]], k: str) -> float:
+            return _mean([float(d.get(k, math.nan)) for d in rows])
+
+        def reason(rows: list[dict[str, Any]], k: str) -> float:
+            return _mean([d.get("reasons", {}).get(k, 0) / max(1, sum(d.get("reasons", {}).values())) for d in rows])
+
+        verdict = "wins" if min(r) >= 1.0 else ("loses" if max(r) < 1.0 else "is mixed")
+        text = (
+            f"**{name}.** SMetric {verdict} here: {_r(min(r))}–{_r(max(r))}× the best baseline "
+            f"(mostly {common}). SMetric serves {avg(sm, 'hit_local'):.0%} of prompt tokens from the local tier, "
+            f"{avg(sm, 'hit_global'):.0%} from the global tier and recomputes {avg(sm, 'hit_miss'):.0%}; "
+            f"{common} {avg(bb, 'hit_local'):.0%} / {avg(bb, 'hit_global'):.0%} / {avg(bb, 'hit_miss'):.0%}. "
+            f"Token-window imbalance (max/mean) {avg(sm, 'token_imbalance_mean'):.2f} vs "
+            f"{avg(bb, 'token_imbalance_mean'):.2f}. SMetric's follow-ups: {reason(sm, 'sticky'):.0%} sticky, "
+            f"{reason(sm, 'evicted_fallback'):.0%} rebalanced as evicted, {reason(sm, 'overloaded_fallback'):.0%} "
+            f"shed as overloaded."
+        )
+        if avg(sm, "hit_miss") > avg(bb, "hit_miss") + 0.02:
+            text += " It recomputes more than the winner: its rebalanced sessions lose their KV."
+        elif avg(sm, "token_imbalance_mean") > avg(bb, "token_imbalance_mean") + 0.1:
+            text += " Its reuse is at least as good, so the gap is the load skew stickiness leaves."
+        if var:
+            rv = [c.ratio(var, bl) for c in cells]
+            text += f" The variant `{var}`: {_r(min(rv))}–{_r(max(rv))}× the best baseline."
+        paras.append(text)
+    return "\n\n".join(paras) + "\n"
+
+
+def heatmap_png(m: RegimeMap, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    pols = [m.spec.ours] + ([m.spec.variant] if m.spec.variant else [])
+    fig, axes = plt.subplots(1, len(pols), figsize=(5.2 * len(pols), 3.6), squeeze=False)
+    xs, tiers = list(m.spec.xs), list(m.spec.tiers)
+    for ax, pol in zip(axes[0], pols):
+        grid = np.array([[m.cell(x, t).ratio(pol, m.spec.baselines) for x in xs] for t in tiers])
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.6, vmax=1.4, aspect="auto", origin="lower")
+        for i in range(len(tiers)):
+            for j in range(len(xs)):
+                ax.text(j, i, _r(grid[i, j]), ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(xs)), [f"{m.cell(x, tiers[0]).x:.2f}" for x in xs])
+        ax.set_yticks(range(len(tiers)), tiers)
+        ax.set_xlabel("mean context ÷ KV capacity per instance")
+        ax.set_ylabel("global tier")
+        ax.set_title(f"{pol} ÷ best baseline (max TPS in SLO)", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def map_markdown(m: RegimeMap, png: str | None = None) -> str:
+    sp = m.spec
+    md = [
+        f"Preset `{sp.preset}`, {sp.instances} instances, {m.kv_tokens:,} KV tokens per instance. Each cell at its own "
+        f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
+        f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
+        "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
+        f"SMetric ÷ best baseline:\n\n{map_table(m, sp.ours)}",
+    ]
+    if sp.variant:
+        md.append(f"`{sp.variant}` ÷ best baseline:\n\n{map_table(m, sp.variant)}")
+        md.append(f"`{sp.variant}` ÷ SMetric: " + ", ".join(
+            f"{c.tier}@{c.x:.3f} {_r(c.score(sp.variant) / c.score(sp.ours))}" for c in m.cells) + "\n")  # fmt: skip
+    if png:
+        md.append(f"![regime map]({png})\n")
+    md += ["Per cell:\n", detail_table(m), "Why, region by region:\n", region_paragraphs(m)]
+    flagged = [f"- {c.tier} @ x={c.x:.3f}: " + "; ".join(c.flags) for c in m.cells if c.flags]
+    if flagged:
+        md += ["Flagged cells (knee not bracketed or peak below 80% GPU busy):\n", "\n".join(flagged) + "\n"]
+    return "\n".join(md)
