@@ -11,6 +11,7 @@ from functools import partial
 from smetric_lmc.config import POLICY_NAMES, PolicyConfig
 from smetric_lmc.policy.baselines import bailian, cache_first, dynamo, lmetric, load_balance, round_robin
 from smetric_lmc.policy.smetric import SMetricParams, smetric
+from smetric_lmc.policy.smetric_cost import SMetricCostParams, smetric_cost
 from smetric_lmc.policy.view import ClusterView, Decision, rr_argmin
 
 Policy = Callable[[ClusterView], Decision]
@@ -28,5 +29,9 @@ def make_policy(cfg: PolicyConfig) -> Policy:
         "dynamo": dynamo,
         "round_robin": round_robin,
         "cache_first": cache_first,
+        "smetric_cost": partial(
+            smetric_cost,
+            p=SMetricCostParams(cfg.hit_ratio, cfg.cost_fetch_discount, cfg.lmetric_load_offset),
+        ),
     }
     return table[cfg.name]

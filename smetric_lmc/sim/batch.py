@@ -56,12 +56,39 @@ def run_task(task: Task, workloads: Mapping[str, Workload] | None = None) -> Sim
         fin = cols.get("finish", np.empty(0))
         done = int(np.count_nonzero((fin >= w0) & (fin <= w1))) if len(fin) else 0
         s["rpm_per_instance"] = done / (span / 60.0) / n
+    if "by_reason" not in s and len(cols.get("input", ())):
+        s["by_reason"] = decision_breakdown(cols, sim.rec.reasons)
     if "gpu_busy_share" not in s:
         # whole-run busy time over the whole run: a lower bound of the busy share under sustained load
         dur = max(float(s.get("duration_s", span)), 1e-9)
         s["gpu_busy_share"] = min(1.0, sum(i.busy_time for i in sim.instances) / (n * dur))
     res.cols = {}
     return res
+
+
+def decision_breakdown(cols: Mapping[str, np.ndarray], reasons: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The decision trace summed per route reason: share of requests, and per request the prompt
+    tokens served locally, fetched from the global tier and recomputed, and the mean TTFT."""
+    rs = np.asarray(reasons)
+    served = ~cols["rejected"].astype(bool)
+    inp = cols["input"].astype(np.float64)
+    loc = cols["local_tokens"].astype(np.float64)
+    glo = cols["global_tokens"].astype(np.float64)
+    ttft = cols["first_token"] - cols["arrival"]
+    out: dict[str, dict[str, float]] = {}
+    n = max(1, int(served.sum()))
+    for reason in sorted(set(rs[served].tolist())):
+        m = served & (rs == reason)
+        k = int(m.sum())
+        out[reason] = {
+            "share": k / n,
+            "input": float(inp[m].mean()),
+            "local": float(loc[m].mean()),
+            "global": float(glo[m].mean()),
+            "recomputed": float((inp[m] - loc[m] - glo[m]).mean()),
+            "ttft": float(np.nanmean(ttft[m])),
+        }
+    return out
 
 
 def run_tasks(

@@ -1,8 +1,12 @@
 """``smetric sim map``: where does SMetric beat the best baseline? A map over the regime.
 
-Axes: x = mean context ÷ per-instance KV capacity (the synthetic preset's context-length scale is
-set so that its mean request reaches x × the profile's KV tokens), and the global tier's
-provisioning (none, 0.4 and 1.6 × the cluster's local capacity, full). Each cell finds its own
+Axes: x = mean context ÷ per-instance KV capacity, and the global tier's provisioning (none, 0.4 and
+1.6 × the cluster's local capacity, full = the nodes' host pools). The preset at scale 1 sits at its
+natural x0 (trace1: mean request ~45 k tokens, x0 ≈ 0.16 on the default profile). Below x0 the map
+grows the GPU's KV capacity (HBM, and the node's host pool in proportion, so "full" stays full) and
+keeps the workload; above x0 it scales the contexts up and keeps the hardware. Scaling contexts down
+instead would need ~50× more requests per run to saturate the cluster at x = 0.02 (a 5 k-token mean
+context), which no laptop replays. Each cell finds its own
 saturation knee: a pilot run of SMetric measures the GPU busy share at a first guess of the load and
 scales the session rate to ~90% busy; every policy then runs at rates around that knee and is
 credited with its best TPS within SLO. A cell whose best rate is the top of its sweep, or whose peak
@@ -62,7 +66,8 @@ class Cell:
     x_target: float
     tier: str
     x: float  # measured: mean input tokens / KV tokens per instance
-    scale: float
+    scale: float  # context-length scale of the preset
+    kv_tokens: int  # KV tokens per instance (the profile's, or grown below x0)
     knee_rate: float
     peaks: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy -> summary at its best rate
     by_rate: dict[str, dict[float, float]] = field(default_factory=dict)  # policy -> rate -> score
@@ -97,8 +102,17 @@ class RegimeMap:
         return [c.ratio(policy, b) for c in self.cells]
 
 
-def _scale_for(preset: str, x: float, kv: int, mean1: float) -> float:
-    return x * kv / mean1
+def _mean_input(wl: Workload) -> float:
+    return sum(r.input_tokens for _, r in wl.iter_requests()) / max(1, wl.n_requests)
+
+
+def grown_profile(prof: Profile, kv_tokens: float) -> Profile:
+    """``prof`` with enough HBM for ``kv_tokens`` of KV per instance, and the node's host pool grown
+    in the same proportion (a fully provisioned global tier stays fully provisioned)."""
+    k = kv_tokens / prof.kv_capacity_tokens()
+    extra_gib = (kv_tokens - prof.kv_capacity_tokens()) * prof.kv_bytes_per_token / 1024**3
+    hbm = prof.hbm_gib + extra_gib / (prof.tp * prof.gpu_memory_utilization)
+    return prof.with_overrides(hbm_gib=hbm, host_pool_gib_per_node=prof.host_pool_gib_per_node * k)
 
 
 def _guess_rate(wl: Workload, prof: Profile, instances: int) -> float:
@@ -130,36 +144,48 @@ def _policy(spec: MapSpec, name: str) -> PolicyConfig:
     return PolicyConfig(name=name)  # type: ignore[arg-type]
 
 
-def build_workloads(spec: MapSpec, prof: Profile, block_size: int = 64) -> tuple[dict[str, Workload], dict[float, float]]:
-    """One workload per x (key f"x{x}"), and the scale used for each."""
+def build_workloads(
+    spec: MapSpec, prof: Profile, block_size: int = 64
+) -> tuple[dict[str, Workload], dict[float, tuple[float, Profile]]]:
+    """Workloads by key ("scale1" below x0, f"x{x}" above) and, per x, (scale, profile)."""
     kv = prof.kv_capacity_tokens()
+    # the agent compacts before its context plus an answer outgrows the model's window
     limit = int(0.9 * prof.max_context(block_size))
-    one = preset_workload(spec.preset, min(spec.pool_roots, 400), seed=spec.seed, context_limit=limit)
-    mean1 = sum(r.input_tokens for _, r in one.iter_requests()) / max(1, one.n_requests)
-    wls: dict[str, Workload] = {}
-    scales: dict[float, float] = {}
+    one = preset_workload(spec.preset, spec.pool_roots, seed=spec.seed, context_limit=limit)
+    x0 = _mean_input(one) / kv
+    wls: dict[str, Workload] = {"scale1": one}
+    cells: dict[float, tuple[float, Profile]] = {}
     for x in spec.xs:
-        s = _scale_for(spec.preset, x, kv, mean1)
+        if x <= x0:
+            cells[x] = (1.0, grown_profile(prof, _mean_input(one) / x))
+            continue
+        s = x / x0
         wl = preset_workload(spec.preset, spec.pool_roots, seed=spec.seed, scale=s, context_limit=limit)
         # contexts clipped at the model's window fall short of the target: scale up once to compensate
-        got = sum(r.input_tokens for _, r in wl.iter_requests()) / max(1, wl.n_requests) / kv
+        got = _mean_input(wl) / kv
         if got < 0.95 * x:
             s *= x / got
             wl = preset_workload(spec.preset, spec.pool_roots, seed=spec.seed, scale=s, context_limit=limit)
         wls[f"x{x}"] = wl
-        scales[x] = s
-    return wls, scales
+        cells[x] = (s, prof)
+    return wls, cells
+
+
+def _wkey(scale: float, x: float) -> str:
+    return "scale1" if scale == 1.0 else f"x{x}"
 
 
 def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> RegimeMap:
     kv = prof.kv_capacity_tokens()
-    wls, scales = build_workloads(spec, prof)
+    wls, per_x = build_workloads(spec, prof)
+    wkey = {x: _wkey(s, x) for x, (s, _) in per_x.items()}
     keys = [(x, t) for x in spec.xs for t in spec.tiers]
     # 1. pilot: SMetric at a guessed load; scale the rate to the target busy share (twice)
-    guess = {x: _guess_rate(wls[f"x{x}"], prof, spec.instances) for x in spec.xs}
+    guess = {x: _guess_rate(wls[wkey[x]], per_x[x][1], spec.instances) for x in spec.xs}
     knee = {(x, t): guess[x] for x, t in keys}
     for it in range(2):
-        tasks = [Task(f"x{x}", _cfg(base, spec, t, knee[(x, t)]), _policy(spec, spec.ours), prof) for x, t in keys]
+        tasks = [Task(wkey[x], _cfg(base, spec, t, knee[(x, t)]), _policy(spec, spec.ours), per_x[x][1])
+                 for x, t in keys]  # fmt: skip
         res = run_tasks(wls, tasks, jobs, desc=f"map pilot {it + 1}/2")
         for (x, t), r in zip(keys, res):
             busy = max(float(r.summary["gpu_busy_share"]), 0.05)
@@ -170,16 +196,16 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
         for p in spec.policies:
             for f in spec.rate_factors:
                 rate = knee[(x, t)] * f
-                tasks.append(Task(f"x{x}", _cfg(base, spec, t, rate), _policy(spec, p), prof))
+                tasks.append(Task(wkey[x], _cfg(base, spec, t, rate), _policy(spec, p), per_x[x][1]))
                 where.append((x, t, p, rate))
     res = run_tasks(wls, tasks, jobs, desc="map")
     cells: dict[tuple[float, str], Cell] = {}
     for x, t in keys:
-        wl = wls[f"x{x}"]
-        mean = sum(r.input_tokens for _, r in wl.iter_requests()) / max(1, wl.n_requests)
-        cells[(x, t)] = Cell(x, t, mean / kv, scales[x], knee[(x, t)])
+        s, p = per_x[x]
+        kvx = p.kv_capacity_tokens()
+        cells[(x, t)] = Cell(x, t, _mean_input(wls[wkey[x]]) / kvx, s, kvx, knee[(x, t)])
     top = max(spec.rate_factors)
-    for (x, t, p, rate), r in zip(where, res):
+    for (x, t, p, rate), r in zip(where, res, strict=True):
         c = cells[(x, t)]
         c.by_rate.setdefault(p, {})[rate] = r.score
         s = r.summary
@@ -219,7 +245,7 @@ def map_table(m: RegimeMap, policy: str) -> str:
 def detail_table(m: RegimeMap) -> str:
     """Per cell: knee, every policy's peak TPS within SLO and where SMetric's hits come from."""
     pols = m.spec.policies
-    head = ["x", "tier", "knee (sessions/s)", *pols, "smetric local/global/miss", "best baseline local/global/miss",
+    head = ["x", "KV", "scale", "tier", "knee (sessions/s)", *pols, "smetric local/global/miss", "best baseline local/global/miss",
             "smetric imbalance", "best imbalance", "smetric busy", "smetric rpm/inst"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in m.cells:
@@ -230,7 +256,7 @@ def detail_table(m: RegimeMap) -> str:
         def split(d: dict[str, Any]) -> str:
             return "–" if not d else f"{d['hit_local']:.2f}/{d['hit_global']:.2f}/{d['hit_miss']:.2f}"
 
-        row = [f"{c.x:.3f}", c.tier, f"{c.knee_rate:.3g}", *(f"{c.score(p):,.0f}" for p in pols), split(s), split(bs),
+        row = [f"{c.x:.3f}", f"{c.kv_tokens:,}", f"{c.scale:.2f}", c.tier, f"{c.knee_rate:.3g}", *(f"{c.score(p):,.0f}" for p in pols), split(s), split(bs),
                _r(s.get("token_imbalance_mean", math.nan)), _r(bs.get("token_imbalance_mean", math.nan)),
                f"{s.get('gpu_busy_share', math.nan):.0%}", f"{s.get('rpm_per_instance', math.nan):.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
@@ -244,7 +270,11 @@ def _mean(v: list[float]) -> float:
 
 def regions(m: RegimeMap) -> list[tuple[str, list[Cell]]]:
     """The map cut into regions: (no / partial / full global tier) x (short / long contexts)."""
-    groups = {"no global tier": ["none"], "partial global tier (0.4, 1.6)": ["0.4", "1.6"], "full global tier": ["full"]}
+    groups = {
+        "no global tier": ["none"],
+        "partial global tier (0.4, 1.6)": ["0.4", "1.6"],
+        "full global tier": ["full"],
+    }
     out = []
     for gname, tiers in groups.items():
         for lo, hi, xname in ((0.0, 0.15, "x ≤ 0.1"), (0.15, 10.0, "x ≥ 0.2")):
@@ -269,7 +299,9 @@ def region_paragraphs(m: RegimeMap) -> str:
             return _mean([float(d.get(k, math.nan)) for d in rows])
 
         def reason(rows: list[dict[str, Any]], k: str) -> float:
-            return _mean([d.get("reasons", {}).get(k, 0) / max(1, sum(d.get("reasons", {}).values())) for d in rows])
+            return _mean(
+                [d.get("reasons", {}).get(k, 0) / max(1, sum(d.get("reasons", {}).values())) for d in rows]
+            )
 
         verdict = "wins" if min(r) >= 1.0 else ("loses" if max(r) < 1.0 else "is mixed")
         text = (
@@ -325,7 +357,8 @@ def heatmap_png(m: RegimeMap, path: Path) -> Path:
 def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     sp = m.spec
     md = [
-        f"Preset `{sp.preset}`, {sp.instances} instances, {m.kv_tokens:,} KV tokens per instance. Each cell at its own "
+        f"Preset `{sp.preset}`, {sp.instances} instances; the profile's {m.kv_tokens:,} KV tokens per instance, grown "
+        "below the preset's natural x (column `KV`), contexts scaled above it (column `scale`). Each cell at its own "
         f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
         f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",

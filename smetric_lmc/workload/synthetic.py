@@ -166,8 +166,10 @@ class _Gen:
         offset: float,
         out: list[TraceSession],
         inherit: np.ndarray | None = None,
+        turn0: int = 0,
     ) -> None:
-        """One session; `inherit` (a fork): block ids of the parent context it starts from."""
+        """One session; `inherit` (a fork): block ids of the parent context it starts from, and
+        `turn0` the turn of its first request (a fork's messages carry the parent's assistant turns)."""
         p, rng, bs = self.p, self.rng, self.p.block_size
         n = int(np.clip(np.rint(ap.calls.sample(rng, 1)[0]), 1, ap.max_calls))
         framework_prompt = int(self.tokens(ap.prompt_tokens))
@@ -186,7 +188,7 @@ class _Gen:
         inputs = np.empty(n, dtype=np.int64)
         turns = np.empty(n, dtype=np.int64)
         stream_of = np.empty(n, dtype=np.int64)
-        ctx, turn, stream = prompt + first, 0, 0
+        ctx, turn, stream = prompt + first, turn0, 0
         for i in range(n):
             if i:
                 grown = ctx + int(outs[i - 1]) + int(growth[i])
@@ -236,7 +238,7 @@ class _Gen:
             for k, i in enumerate(np.flatnonzero(rng.random(n) < p.fork_rate)):
                 # the fork starts from the context of call i once that call returns
                 self.session(f"{sid}/fork_{k:03d}", agent, p.fork, sid, offset + float(arrivals[i] + service[i]),
-                             out, inherit=blocks[i])  # fmt: skip
+                             out, inherit=blocks[i], turn0=int(turns[i]) + 1)  # fmt: skip
         if parent is None and p.subagent_rate > 0:
             spawn = np.flatnonzero(rng.random(n) < p.subagent_rate)
             types = list(p.subagent_types)

@@ -1,0 +1,66 @@
+"""``smetric_cost``: SMetric with a fetch-vs-queue cost test on follow-ups (our variant; ``smetric``
+stays the paper's rule).
+
+What the simulator's decision traces showed (docs/results.md, "Why the paper's rule loses"): the
+rule's two fallbacks are blind to what moving a session costs, and its stickiness is blind to what
+staying costs.
+- Without a global tier, a follow-up shed from an "overloaded" holder, or one whose KV was partly
+  evicted, lands on the least-loaded instance by request count and recomputes its whole context
+  there (tens of thousands of tokens each): a few percent of the requests did a third of all
+  recomputation, and LMetric, which weighs the lost hit against the load, beat the rule.
+- With a global tier the opposite: moving costs a fetch that barely stalls the GPU, yet the rule
+  keeps a session on its holder until that holder carries twice the mean load, so sticky requests
+  queued longer than load-balance-only's, which won.
+
+The variant keeps the rule's first-request balancing (a session's first request goes to the
+least-loaded instance by request count: the placement that balances the cluster) and decides every
+follow-up by one cost that prices both effects:
+
+    f[i] = (L - c[i] - discount * max(0, g - c[i])) * (l[i] + offset)
+
+the tokens the request must still compute on instance i (a token the global tier holds counts as
+``1 - discount`` of a computed one: a fetch instead of a recompute) times the instance's load. It
+stays on its holder s (the longest local hit) when s is among the cheapest, else goes to argmin f.
+With no global tier (g = 0) it weighs the lost local hit against the queue; with a fully
+provisioned one most of the context is fetchable anywhere and load decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smetric_lmc.policy.view import NO_INSTANCE, ClusterView, Decision, rr_argmin
+from smetric_lmc.wire import Reason
+
+
+@dataclass(frozen=True, slots=True)
+class SMetricCostParams:
+    hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
+    fetch_discount: float = 0.9  # share of a computed token's cost a global-tier fetch saves
+    load_offset: float = 1.0  # (l + offset): idle instances do not all tie at 0
+
+
+def cost_scores(view: ClusterView, p: SMetricCostParams) -> list[float]:
+    """f[i]: tokens left to compute on instance i (fetches discounted) x (load + offset)."""
+    L, g, d = view.prompt_tokens, view.global_hit, p.fetch_discount
+    return [(L - ci - d * max(0, g - ci)) * (li + p.load_offset) for ci, li in zip(view.local_hit, view.load)]
+
+
+def smetric_cost(view: ClusterView, p: SMetricCostParams = SMetricCostParams()) -> Decision:
+    n = len(view.instances)
+    if n == 0:
+        return NO_INSTANCE
+    c, load = view.local_hit, view.load
+    if view.turn == 0:
+        return Decision(rr_argmin(load, view.rr), Reason.FIRST_TURN)
+    f = cost_scores(view, p)
+    best = max(c)
+    s = (
+        c.index(best)
+        if c.count(best) == 1
+        else rr_argmin(load, view.rr, [i for i in range(n) if c[i] == best])
+    )
+    k = rr_argmin(f, view.rr)
+    if f[s] <= f[k]:
+        return Decision(s, Reason.STICKY)
+    return Decision(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)
