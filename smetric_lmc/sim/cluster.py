@@ -74,7 +74,8 @@ def shared_depths(workload: Workload) -> dict[str, int]:
 
 # Copies of a session (sampling with replacement) get distinct content past the prefix it shares
 # with other sessions: its ids there are XORed with a per-copy salt (ids stay prefix-chained).
-_SALT_STEP = np.uint64(0x9E3779B97F4A7C15)
+_SALT_STEP = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
 
 
 class _Session:
@@ -98,7 +99,7 @@ class _Session:
         if memo is not None and memo[0] == k:
             return memo[1]
         out = ids.copy()
-        out[self.depth :] ^= np.uint64(self.salt) * _SALT_STEP
+        out[self.depth :] ^= np.uint64((self.salt * _SALT_STEP) & _U64)
         self._memo = (k, out)
         return out
 
@@ -219,7 +220,7 @@ class Simulator:
         self.max_context = prof.max_context(self.bs)
         self.rec = Recorder()
         self.win_tokens: list[np.ndarray] = []
-        self.win_busy: list[np.ndarray] = []
+        self.busy_in_window = 0.0  # engine-busy seconds inside [first, last root start]
         # the policy's load (in flight / unprefilled tokens) per instance, sampled at every routing
         # decision and summed per window: the secondary, routing-time imbalance figure
         self.win_load: list[np.ndarray] = []
@@ -260,13 +261,10 @@ class Simulator:
         self._windows(self.win_tokens, w, np.int64)[w][pos] += tokens
 
     def account_busy(self, pos: int, t0: float, t1: float) -> None:
-        ws = self.cfg.window_s
-        w = int(t0 // ws)
-        store = self._windows(self.win_busy, int(t1 // ws), np.float64)
-        while t0 < t1:
-            edge = min(t1, (w + 1) * ws)
-            store[w][pos] += edge - t0
-            t0, w = edge, w + 1
+        # the measurement window is known before the run: clip to it exactly
+        span = min(t1, self.last_root_start) - max(t0, self.first_root_start)
+        if span > 0:
+            self.busy_in_window += span
 
     def _sample_load(self, t: float) -> None:
         w = int(t // self.cfg.window_s)
@@ -352,7 +350,7 @@ class Simulator:
             policy=self.policy.name,
             rec=self.rec,
             win_tokens=self.win_tokens,
-            win_busy=self.win_busy,
+            busy_in_window=self.busy_in_window,
             win_load=self.win_load,
             win_samples=self.win_samples,
             first_root_start=self.first_root_start,

@@ -98,7 +98,7 @@ class RunStats:
     policy: str
     rec: Recorder
     win_tokens: list[np.ndarray]
-    win_busy: list[np.ndarray]
+    busy_in_window: float  # engine-busy seconds inside [first_root_start, last_root_start]
     win_load: list[np.ndarray]
     win_samples: list[int]
     first_root_start: float
@@ -112,15 +112,6 @@ class RunStats:
     fetched_bytes: float
     fetched_remote_bytes: float
     stored_bytes: float
-
-
-def window_share(win: np.ndarray, ws: float, w0: float, w1: float) -> float:
-    """Mean per-instance busy share over [w0, w1] from per-window busy seconds (rows: windows)."""
-    if win.size == 0 or w1 <= w0:
-        return 0.0
-    k = np.arange(win.shape[0])
-    overlap = np.clip(np.minimum((k + 1) * ws, w1) - np.maximum(k * ws, w0), 0.0, ws) / ws
-    return float((win.sum(axis=1) * overlap).sum() / ((w1 - w0) * win.shape[1]))
 
 
 def summarize(st: RunStats) -> SimResult:
@@ -153,6 +144,11 @@ def summarize(st: RunStats) -> SimResult:
     if cfg.measure == "arrivals" and st.last_root_start > st.first_root_start:
         w0, w1 = st.first_root_start, st.last_root_start
     dur = max(w1 - w0, 1e-9)
+    # GPU busy share: a step in progress (load/store waits included), per instance, over the window
+    if (w0, w1) == (t0, t1):
+        busy_share = sum(st.busy_s) / (run_dur * cfg.instances)  # every step lies in the run
+    else:
+        busy_share = st.busy_in_window / (dur * cfg.instances)
     inside = (cols["finish"] >= w0) & (cols["finish"] <= w1)
     arrived_in = served & (cols["arrival"] >= w0) & (cols["arrival"] <= w1)
     served_in = int(inp[served].sum())
@@ -161,8 +157,6 @@ def summarize(st: RunStats) -> SimResult:
     fol = served & (cols["sticky"] >= 0)
     reasons = Counter(r for r, sv in zip(st.rec.reasons, served) if sv)
     ttft_s, tpot_s = ttft[served], tpot[served & (outp > 1)]
-    busy = np.stack(st.win_busy) if st.win_busy else np.zeros((0, cfg.instances))
-    busy_share = window_share(busy, cfg.window_s, w0, w1)
     # Links: busy time (at least one transfer on it) over the run; a share of wall time, <= 1.
     link = {k: float(np.mean(v)) / run_dur if v else 0.0 for k, v in st.link_busy_s.items()}
     s.update(
