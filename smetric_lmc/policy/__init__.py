@@ -31,7 +31,7 @@ def make_policy(cfg: PolicyConfig) -> Policy:
         "cache_first": cache_first,
         "smetric_cost": partial(
             smetric_cost,
-            p=SMetricCostParams(cfg.hit_ratio, cfg.cost_fetch_discount, cfg.lmetric_load_offset),
+            p=SMetricCostParams(cfg.hit_ratio, cfg.cost_fetch_discount, cfg.lmetric_load_offset, cfg.overload),
         ),
     }
     return table[cfg.name]

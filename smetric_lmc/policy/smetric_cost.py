@@ -38,6 +38,7 @@ class SMetricCostParams:
     hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
     fetch_discount: float = 0.9  # share of a computed token's cost a global-tier fetch saves
     load_offset: float = 1.0  # (l + offset): idle instances do not all tie at 0
+    overload: float = 2.0  # a first request goes to a holder of its prefix only below overload x mean load
 
 
 def cost_scores(view: ClusterView, p: SMetricCostParams) -> list[float]:
@@ -51,10 +52,16 @@ def smetric_cost(view: ClusterView, p: SMetricCostParams = SMetricCostParams()) 
     if n == 0:
         return NO_INSTANCE
     c, load = view.local_hit, view.load
+    best = max(c)
     if view.turn == 0:
+        if best > view.global_hit:
+            # the shared prefix is not fetchable: the least loaded of its holders, unless all are overloaded
+            mean = sum(load) / n
+            held = [i for i in range(n) if c[i] == best and load[i] <= p.overload * mean]
+            if held:
+                return Decision(rr_argmin(load, view.rr, held), Reason.FIRST_TURN)
         return Decision(rr_argmin(load, view.rr), Reason.FIRST_TURN)
     f = cost_scores(view, p)
-    best = max(c)
     s = (
         c.index(best)
         if c.count(best) == 1

@@ -41,7 +41,7 @@ def _init(workloads: Mapping[str, Workload]) -> None:
 
 
 def run_task(task: Task, workloads: Mapping[str, Workload] | None = None) -> SimResult:
-    """One simulation; the summary gains gpu_busy_share and rpm_per_instance when the engine lacks them."""
+    """One simulation; the summary gains gpu_busy_share and req_per_min_per_instance when the engine lacks them."""
     wl = (workloads or _WORKLOADS)[task.workload]
     sim = Simulator(wl, task.cfg, task.policy, task.profile or load_profile(task.cfg.profile))
     res = sim.run()
@@ -52,10 +52,10 @@ def run_task(task: Task, workloads: Mapping[str, Workload] | None = None) -> Sim
     if w1 <= w0 and len(cols.get("finish", ())):
         w0, w1 = float(np.min(cols["arrival"])), float(np.nanmax(cols["finish"]))
     span = max(w1 - w0, 1e-9)
-    if "rpm_per_instance" not in s:
+    if "req_per_min_per_instance" not in s:
         fin = cols.get("finish", np.empty(0))
         done = int(np.count_nonzero((fin >= w0) & (fin <= w1))) if len(fin) else 0
-        s["rpm_per_instance"] = done / (span / 60.0) / n
+        s["req_per_min_per_instance"] = done / (span / 60.0) / n
     if "by_reason" not in s and len(cols.get("input", ())):
         s["by_reason"] = decision_breakdown(cols, sim.rec.reasons)
     if "gpu_busy_share" not in s:

@@ -18,26 +18,24 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim.batch import Task, run_tasks
 from smetric_lmc.sim.config import SimConfig
+from smetric_lmc.sim.knee import TARGET_BUSY, KneeResult, Setting, knee_sweeps
 from smetric_lmc.sim.profile import Profile
 from smetric_lmc.workload.model import Workload
-from smetric_lmc.workload.presets import preset_workload, requests_per_root
+from smetric_lmc.workload.presets import preset_workload
 
 log = logging.getLogger(__name__)
 
 X_POINTS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.6)
 TIERS = ("none", "0.4", "1.6", "full")
 BASELINES = ("load_balance", "bailian", "lmetric", "dynamo")
-TARGET_BUSY = 0.9
-BUSY_FLAG = 0.8
 
 
 @dataclass
@@ -49,9 +47,8 @@ class MapSpec:
     variant: str | None = None
     baselines: Sequence[str] = BASELINES
     instances: int = 16
-    pool_roots: int = 2000  # root sessions generated per x (points use the first N of a random order)
-    window_s: float = 2400.0  # target session-arrival window of a point (its measured period)
-    min_roots: int = 150
+    pool_roots: int = 600  # root sessions generated per x (drawn with replacement)
+    window_s: float = 2400.0  # session-arrival window of a point (its measured period)
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
     seed: int = 0
     variant_policy: PolicyConfig | None = None  # the variant's parameters (YAML); None: defaults
@@ -68,24 +65,23 @@ class Cell:
     x: float  # measured: mean input tokens / KV tokens per instance
     scale: float  # context-length scale of the preset
     kv_tokens: int  # KV tokens per instance (the profile's, or grown below x0)
-    knee_rate: float
-    peaks: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy -> summary at its best rate
-    by_rate: dict[str, dict[float, float]] = field(default_factory=dict)  # policy -> rate -> score
-    flags: list[str] = field(default_factory=list)
+    knee: KneeResult
+
+    @property
+    def flags(self) -> list[str]:
+        return self.knee.flags
 
     def score(self, policy: str) -> float:
-        p = self.peaks.get(policy)
-        return float("nan") if p is None else float(p["tps_slo"])
+        return self.knee.score(policy)
 
     def best_baseline(self, baselines: Sequence[str]) -> tuple[str, float]:
-        got = [(b, self.score(b)) for b in baselines if b in self.peaks]
-        if not got:
-            return "", float("nan")
-        return max(got, key=lambda kv: kv[1])
+        return self.knee.best_of(baselines)
 
     def ratio(self, policy: str, baselines: Sequence[str]) -> float:
-        _, b = self.best_baseline(baselines)
-        return self.score(policy) / b if b > 0 else float("nan")
+        return self.knee.ratio(policy, baselines)
+
+    def peak(self, policy: str) -> dict[str, Any]:
+        return self.knee.summary(policy)
 
 
 @dataclass
@@ -115,27 +111,12 @@ def grown_profile(prof: Profile, kv_tokens: float) -> Profile:
     return prof.with_overrides(hbm_gib=hbm, host_pool_gib_per_node=prof.host_pool_gib_per_node * k)
 
 
-def _guess_rate(wl: Workload, prof: Profile, instances: int) -> float:
-    """Root sessions/s that would keep the GPUs ~50% busy by a crude cost model (a pilot corrects it)."""
-    reqs = [r for _, r in wl.iter_requests()]
-    mean_in = sum(r.input_tokens for r in reqs) / max(1, len(reqs))
-    mean_out = sum(r.output_tokens for r in reqs) / max(1, len(reqs))
-    miss = int(0.25 * mean_in) + 1
-    prefill = prof.iteration_time([(miss, int(mean_in - miss))], 0, 0)
-    batch = 16
-    decode = mean_out * prof.iteration_time([], batch, int(batch * mean_in)) / batch
-    per_req = prefill + decode
-    return 0.5 * instances / (per_req * requests_per_root(wl))
-
-
-def _roots(spec: MapSpec, rate: float) -> int:
-    return int(min(spec.pool_roots, max(spec.min_roots, math.ceil(rate * spec.window_s))))
-
-
 def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
+    # roots drawn with replacement over a fixed window: the offered load is `rate` whatever the pool
     return msgspec.structs.replace(
-        base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, max_sessions=_roots(spec, rate)
-    )
+        base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, sampling="replace",
+        arrival_window_s=spec.window_s, max_sessions=None,
+    )  # fmt: skip
 
 
 def _policy(spec: MapSpec, name: str) -> PolicyConfig:
@@ -178,46 +159,17 @@ def _wkey(scale: float, x: float) -> str:
 def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> RegimeMap:
     kv = prof.kv_capacity_tokens()
     wls, per_x = build_workloads(spec, prof)
-    wkey = {x: _wkey(s, x) for x, (s, _) in per_x.items()}
-    keys = [(x, t) for x in spec.xs for t in spec.tiers]
-    # 1. pilot: SMetric at a guessed load; scale the rate to the target busy share (twice)
-    guess = {x: _guess_rate(wls[wkey[x]], per_x[x][1], spec.instances) for x in spec.xs}
-    knee = {(x, t): guess[x] for x, t in keys}
-    for it in range(2):
-        tasks = [Task(wkey[x], _cfg(base, spec, t, knee[(x, t)]), _policy(spec, spec.ours), per_x[x][1])
-                 for x, t in keys]  # fmt: skip
-        res = run_tasks(wls, tasks, jobs, desc=f"map pilot {it + 1}/2")
-        for (x, t), r in zip(keys, res):
-            busy = max(float(r.summary["gpu_busy_share"]), 0.05)
-            knee[(x, t)] *= min(4.0, max(0.25, TARGET_BUSY / busy))
-    # 2. every policy around each cell's knee
-    tasks, where = [], []
-    for x, t in keys:
-        for p in spec.policies:
-            for f in spec.rate_factors:
-                rate = knee[(x, t)] * f
-                tasks.append(Task(wkey[x], _cfg(base, spec, t, rate), _policy(spec, p), per_x[x][1]))
-                where.append((x, t, p, rate))
-    res = run_tasks(wls, tasks, jobs, desc="map")
-    cells: dict[tuple[float, str], Cell] = {}
-    for x, t in keys:
+    settings = {
+        (x, t): Setting(_wkey(per_x[x][0], x), _cfg(base, spec, t, 1.0), per_x[x][1]) for x in spec.xs for t in spec.tiers
+    }
+    pols = [_policy(spec, p) for p in spec.policies]
+    res = knee_sweeps(wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, desc="map")
+    cells = []
+    for (x, t), kr in res.items():
         s, p = per_x[x]
         kvx = p.kv_capacity_tokens()
-        cells[(x, t)] = Cell(x, t, _mean_input(wls[wkey[x]]) / kvx, s, kvx, knee[(x, t)])
-    top = max(spec.rate_factors)
-    for (x, t, p, rate), r in zip(where, res, strict=True):
-        c = cells[(x, t)]
-        c.by_rate.setdefault(p, {})[rate] = r.score
-        s = r.summary
-        if p not in c.peaks or r.score > c.peaks[p]["tps_slo"]:
-            c.peaks[p] = dict(s, rate=rate, rate_factor=rate / c.knee_rate)
-    for c in cells.values():
-        for p, s in c.peaks.items():
-            if s["rate_factor"] >= top - 1e-9:
-                c.flags.append(f"{p}: best at the top rate")
-            if s["gpu_busy_share"] < BUSY_FLAG:
-                c.flags.append(f"{p}: peak at {s['gpu_busy_share']:.0%} busy")
-    return RegimeMap(spec, kv, [cells[k] for k in keys])
+        cells.append(Cell(x, t, _mean_input(wls[settings[(x, t)].wkey]) / kvx, s, kvx, kr))
+    return RegimeMap(spec, kv, cells)
 
 
 # ---- presentation -------------------------------------------------------------------------------
@@ -249,16 +201,16 @@ def detail_table(m: RegimeMap) -> str:
             "smetric imbalance", "best imbalance", "smetric busy", "smetric rpm/inst"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in m.cells:
-        s = c.peaks.get(m.spec.ours, {})
+        s = c.peak(m.spec.ours)
         b, _ = c.best_baseline(m.spec.baselines)
-        bs = c.peaks.get(b, {})
+        bs = c.peak(b)
 
         def split(d: dict[str, Any]) -> str:
             return "–" if not d else f"{d['hit_local']:.2f}/{d['hit_global']:.2f}/{d['hit_miss']:.2f}"
 
-        row = [f"{c.x:.3f}", f"{c.kv_tokens:,}", f"{c.scale:.2f}", c.tier, f"{c.knee_rate:.3g}", *(f"{c.score(p):,.0f}" for p in pols), split(s), split(bs),
+        row = [f"{c.x:.3f}", f"{c.kv_tokens:,}", f"{c.scale:.2f}", c.tier, f"{c.knee.knee_rate:.3g}", *(f"{c.score(p):,.0f}" for p in pols), split(s), split(bs),
                _r(s.get("token_imbalance_mean", math.nan)), _r(bs.get("token_imbalance_mean", math.nan)),
-               f"{s.get('gpu_busy_share', math.nan):.0%}", f"{s.get('rpm_per_instance', math.nan):.1f}"]  # fmt: skip
+               f"{s.get('gpu_busy_share', math.nan):.0%}", f"{s.get('req_per_min_per_instance', math.nan):.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -292,8 +244,8 @@ def region_paragraphs(m: RegimeMap) -> str:
         r = [c.ratio(ours, bl) for c in cells]
         best = [c.best_baseline(bl)[0] for c in cells]
         common = max(set(best), key=best.count)
-        sm = [c.peaks[ours] for c in cells if ours in c.peaks]
-        bb = [c.peaks[b] for c, b in zip(cells, best) if b in c.peaks]
+        sm = [c.peak(ours) for c in cells if c.peak(ours)]
+        bb = [c.peak(b) for c, b in zip(cells, best) if c.peak(b)]
 
         def avg(rows: list[dict[str, Any]], k: str) -> float:
             return _mean([float(d.get(k, math.nan)) for d in rows])
