@@ -51,6 +51,7 @@ class MapSpec:
     window_s: float = 2400.0  # session-arrival window of a point (its measured period)
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
     seed: int = 0
+    pilots: int = 2  # pilot runs that move each cell's rate towards its knee
     variant_policy: PolicyConfig | None = None  # the variant's parameters (YAML); None: defaults
 
     @property
@@ -163,7 +164,7 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
         (x, t): Setting(_wkey(per_x[x][0], x), _cfg(base, spec, t, 1.0), per_x[x][1]) for x in spec.xs for t in spec.tiers
     }
     pols = [_policy(spec, p) for p in spec.policies]
-    res = knee_sweeps(wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, desc="map")
+    res = knee_sweeps(wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map")
     cells = []
     for (x, t), kr in res.items():
         s, p = per_x[x]
