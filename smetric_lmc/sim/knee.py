@@ -88,7 +88,9 @@ def knee_sweeps(
     keys = list(settings)
     knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
     for it in range(pilots):
-        tasks = [Task(settings[k].wkey, _at(settings[k].cfg, knee[k]), pilot, settings[k].profile) for k in keys]
+        tasks = [
+            Task(settings[k].wkey, _at(settings[k].cfg, knee[k]), pilot, settings[k].profile) for k in keys
+        ]
         for k, r in zip(keys, run_tasks(workloads, tasks, jobs, desc=f"{desc}: pilot {it + 1}/{pilots}")):
             busy = max(float(r.summary.get("gpu_busy_share", 0.0)), 0.05)
             knee[k] *= min(4.0, max(0.25, TARGET_BUSY / busy))

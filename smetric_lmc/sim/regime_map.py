@@ -161,10 +161,14 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     kv = prof.kv_capacity_tokens()
     wls, per_x = build_workloads(spec, prof)
     settings = {
-        (x, t): Setting(_wkey(per_x[x][0], x), _cfg(base, spec, t, 1.0), per_x[x][1]) for x in spec.xs for t in spec.tiers
+        (x, t): Setting(_wkey(per_x[x][0], x), _cfg(base, spec, t, 1.0), per_x[x][1])
+        for x in spec.xs
+        for t in spec.tiers
     }
     pols = [_policy(spec, p) for p in spec.policies]
-    res = knee_sweeps(wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map")
+    res = knee_sweeps(
+        wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map"
+    )
     cells = []
     for (x, t), kr in res.items():
         s, p = per_x[x]
