@@ -57,8 +57,8 @@ class Size:
 
 FULL = Size(32, 3600.0, 1500, (0.6, 0.8, 1.0, 1.25, 1.6), 2, True,
             MapSpec(instances=16, pool_roots=600, window_s=2400.0, rate_factors=(0.7, 1.0, 1.4), variant=VARIANT))  # fmt: skip
-QUICK = Size(8, 1200.0, 300, (0.85, 1.2), 1, False,
-             MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=8, pool_roots=300, window_s=900.0,
+QUICK = Size(8, 600.0, 200, (0.85, 1.2), 1, False,
+             MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0,
                      rate_factors=(0.85, 1.2), variant=VARIANT, pilots=1))  # fmt: skip
 SENSITIVITY: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("kv_load_mode sync (default)", {}, {}),
