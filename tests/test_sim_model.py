@@ -274,6 +274,7 @@ def test_busy_share_and_saturation_flag() -> None:
     ])  # fmt: skip
     rows = {r.policy: r for r in peak_rows(sr)}
     assert rows["smetric"].below_knee and not rows["load_balance"].below_knee
+    assert not rows["smetric"].knee_reached and rows["load_balance"].knee_reached
     assert rows["smetric"].gpu_busy_share == s["gpu_busy_share"]
 
 
@@ -328,3 +329,13 @@ def test_generated_blocks_stay_on_the_gpu_not_in_the_global_tier() -> None:
     assert routed["0:1"].global_hit_tokens == 40 * BS  # LMCache saved the prompt only
     r1 = record(sim, res, 0, 1)
     assert r1["local_tokens"] == 41 * BS and r1["global_tokens"] == 0
+
+
+def test_explicit_sim_config_path_must_exist(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(FileNotFoundError):
+        load_sim_config(tmp_path / "missing.yaml")
+    (tmp_path / "sim.yaml").write_text("instances: 3\nkv_load_mode: layerwise\n")
+    c = load_sim_config(tmp_path / "sim.yaml")
+    assert c.instances == 3 and c.kv_load_mode == "layerwise"
+    with pytest.raises(ValueError, match="kv_load_mode"):
+        load_sim_config(kv_load_mode="eager")

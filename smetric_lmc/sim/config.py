@@ -98,6 +98,8 @@ def global_capacity_blocks(choice: str, prof: Profile, block_size: int, instance
 def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
     """Defaults from ``configs/sim.yaml`` (or ``path``), then keyword overrides (None = keep)."""
     p = Path(path) if path is not None else configs_dir() / "sim.yaml"
+    if path is not None and not p.is_file():
+        raise FileNotFoundError(f"sim config {p} does not exist")
     data: dict[str, Any] = {}
     if p.exists():
         with open(p) as fh:

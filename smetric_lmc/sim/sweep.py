@@ -94,6 +94,7 @@ class PeakRow:
     req_per_min_per_instance: float
     below_knee: bool
     at_top_rate: bool  # the best point is the sweep's highest load: the knee may lie beyond it
+    knee_reached: bool  # some run of this policy (here) kept the GPUs >= SATURATED_BUSY busy
 
 
 def _group(o: Outcome) -> tuple[str, str]:
@@ -105,10 +106,12 @@ def peak_rows(sr: SweepResult) -> list[PeakRow]:
     """One row per (knob value, policy) — per policy for a load sweep — at its best score over the
     offered loads, flagged when below the saturation knee."""
     top: dict[tuple[str, str], float] = {}
+    busiest: dict[tuple[str, str], float] = {}
     best: dict[tuple[str, str], Outcome] = {}
     for o in sr.outcomes:
         key = _group(o)
         top[key] = max(top.get(key, 0.0), o.point.cfg.rate)
+        busiest[key] = max(busiest.get(key, 0.0), float(o.result.summary.get("gpu_busy_share", 0.0)))
         if key not in best or o.result.score > best[key].result.score:
             best[key] = o
     rows = []
@@ -118,11 +121,14 @@ def peak_rows(sr: SweepResult) -> list[PeakRow]:
         rows.append(PeakRow(
             o.point.value, o.policy, o.point.cfg.rate, o.result.score, busy,
             float(s.get("req_per_min_per_instance", 0.0)), busy < SATURATED_BUSY, o.point.cfg.rate >= top[key],
+            busiest[key] >= SATURATED_BUSY,
         ))  # fmt: skip
     for r in rows:
         if r.below_knee:
-            log.warning("%s at %s: peak at %.1f%% GPU busy (< %.0f%%): the sweep did not reach its saturation knee",
-                        r.policy, r.value, 100 * r.gpu_busy_share, 100 * SATURATED_BUSY)  # fmt: skip
+            why = ("more load lost SLO before the GPUs saturated" if r.knee_reached
+                   else "the sweep did not reach its saturation knee")  # fmt: skip
+            log.warning("%s at %s: peak at %.1f%% GPU busy (< %.0f%%): %s",
+                        r.policy, r.value, 100 * r.gpu_busy_share, 100 * SATURATED_BUSY, why)  # fmt: skip
     return rows
 
 
