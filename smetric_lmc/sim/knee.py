@@ -93,7 +93,7 @@ def knee_sweeps(
         ]
         for k, r in zip(keys, run_tasks(workloads, tasks, jobs, desc=f"{desc}: pilot {it + 1}/{pilots}")):
             busy = max(float(r.summary.get("gpu_busy_share", 0.0)), 0.05)
-            knee[k] *= min(4.0, max(0.25, TARGET_BUSY / busy))
+            knee[k] *= min(16.0, max(0.25, TARGET_BUSY / busy))
     tasks, where = [], []
     for k in keys:
         s = settings[k]

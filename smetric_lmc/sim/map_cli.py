@@ -10,8 +10,8 @@ from smetric_lmc.sim.config import load_sim_config
 from smetric_lmc.sim.profile import load_profile
 from smetric_lmc.sim.regime_map import MapSpec, heatmap_png, map_markdown, run_map
 
-QUICK = dict(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0, rate_factors=(0.85, 1.2),
-             pilots=1)  # fmt: skip
+QUICK = dict(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0, rate_factors=(1.0, 1.5),
+             pilots=2)  # fmt: skip
 
 
 def main_map(args: argparse.Namespace) -> int:

@@ -57,9 +57,9 @@ class Size:
 
 FULL = Size(32, 3600.0, 1500, (0.6, 0.8, 1.0, 1.25, 1.6), 2, True,
             MapSpec(instances=16, pool_roots=600, window_s=2400.0, rate_factors=(0.7, 1.0, 1.4), variant=VARIANT))  # fmt: skip
-QUICK = Size(8, 600.0, 200, (0.85, 1.2), 1, False,
+QUICK = Size(8, 600.0, 200, (1.0, 1.5), 2, False,
              MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0,
-                     rate_factors=(0.85, 1.2), variant=VARIANT, pilots=1))  # fmt: skip
+                     rate_factors=(1.0, 1.5), variant=VARIANT, pilots=2))  # fmt: skip
 SENSITIVITY: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("kv_load_mode sync (default)", {}, {}),
     ("kv_load_mode layerwise", {"kv_load_mode": "layerwise"}, {}),
