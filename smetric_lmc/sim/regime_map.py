@@ -115,7 +115,7 @@ def grown_profile(prof: Profile, kv_tokens: float) -> Profile:
 def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
     # roots drawn with replacement over a fixed window: the offered load is `rate` whatever the pool
     return msgspec.structs.replace(
-        base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, sampling="replace",
+        base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, sampling="replace", drain=False,
         arrival_window_s=spec.window_s, max_sessions=None,
     )  # fmt: skip
 

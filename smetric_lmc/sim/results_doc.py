@@ -76,7 +76,7 @@ def shared_dir() -> Path:
 
 
 def _cfg(base: SimConfig, size: Size, **kw: Any) -> SimConfig:
-    return msgspec.structs.replace(base, instances=size.instances, sampling="replace",
+    return msgspec.structs.replace(base, instances=size.instances, sampling="replace", drain=False,
                                    arrival_window_s=size.window_s, max_sessions=None, **kw)  # fmt: skip
 
 
