@@ -328,7 +328,15 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     if png:
         md.append(f"![regime map]({png})\n")
     md += ["Per cell:\n", detail_table(m), "Why, region by region:\n", region_paragraphs(m)]
-    flagged = [f"- {c.tier} @ x={c.x:.3f}: " + "; ".join(c.flags) for c in m.cells if c.flags]
+    flagged = []
+    for c in m.cells:
+        busy = [float(c.peak(p).get("gpu_busy_share", math.nan)) for p in sp.policies if c.peak(p)]
+        top = [p for p in sp.policies if f"{p}: best at the top rate" in c.flags]
+        low = sum(1 for b in busy if b < 0.8)
+        if low or top:
+            flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%)"
+                           + (f"; best at the top load: {', '.join(top)}" if top else ""))  # fmt: skip
     if flagged:
-        md += ["Flagged cells (knee not bracketed or peak below 80% GPU busy):\n", "\n".join(flagged) + "\n"]
+        md += ["Flagged cells (a peak below 80% GPU busy: the SLO gave out first; or the best load is the top of the sweep):\n",
+               "\n".join(flagged) + "\n"]  # fmt: skip
     return "\n".join(md)

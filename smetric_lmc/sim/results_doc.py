@@ -162,7 +162,11 @@ def verdict(res: dict[str, KneeResult], bl: tuple[str, ...], sens: list[tuple[st
     if sens:
         rows = dict(sens)
         parts = [f"{label}: {_r(row[OURS] / list(row.values())[-1])}" for label, row in rows.items() if row]
-        text += " SMetric ÷ that baseline when one constant changes (each at its peak rate): " + "; ".join(parts) + "."
+        text += (
+            " SMetric ÷ that baseline when one constant changes (each at its peak rate): "
+            + "; ".join(parts)
+            + "."
+        )
     return text + "\n"
 
 
