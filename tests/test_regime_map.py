@@ -133,9 +133,23 @@ def test_sim_cli_runs_the_trace1_preset(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_no_drain_leaves_the_measured_window_unchanged() -> None:
     wl = preset_workload("trace1", 30, seed=2, scale=0.5)
-    cfg = load_sim_config(instances=2, global_tier="full", rate=0.3, sampling="replace", arrival_window_s=120.0)
+    cfg = load_sim_config(
+        instances=2, global_tier="full", rate=0.3, sampling="replace", arrival_window_s=120.0
+    )
     a = simulate(wl, cfg, "smetric")
     b = simulate(wl, msgspec.structs.replace(cfg, drain=False), "smetric")
     assert b.summary["requests"] < a.summary["requests"]  # the sessions' tails were not replayed
     for k in ("tps_slo", "prefill_tps_slo", "gpu_busy_share"):
         assert b.summary[k] == pytest.approx(a.summary[k], rel=1e-9), k
+
+
+def test_sim_map_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(
+        ["map", "--quick", "--xs", "0.3", "--tiers", "full", "--instances", "2", "--out", str(tmp_path)]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["variant_vs_best_min"] > 0
+    assert (tmp_path / "regime_map.png").stat().st_size > 0 and "SMetric ÷ best baseline" in (
+        tmp_path / "map.md"
+    ).read_text()

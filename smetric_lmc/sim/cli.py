@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
     p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
     p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
+    p.add_argument("--xs", help="map: comma list of mean context / KV capacity columns")
+    p.add_argument("--tiers", help="map: comma list of global tiers (none, 0.4, 1.6, full, ...)")
     p.add_argument("--trace", help="trace file/folder/archive (WEKA, Bailian, Mooncake, native); default: synthetic")
     p.add_argument("--shared-prefix", action="store_true",
                    help="WEKA: map each session's system prompt + tools to ids shared across sessions")  # fmt: skip

@@ -18,10 +18,15 @@ def main_map(args: argparse.Namespace) -> int:
     kw = dict(QUICK) if args.quick else {}
     if args.instances:
         kw["instances"] = args.instances
+    if args.xs:
+        kw["xs"] = tuple(float(x) for x in args.xs.split(","))
+    if args.tiers:
+        kw["tiers"] = tuple(t.strip() for t in args.tiers.split(","))
     spec = MapSpec(preset=args.preset or "trace1", variant="smetric_cost", seed=args.seed or 0, **kw)  # type: ignore[arg-type]
     prof = load_profile(args.profile or "qwen3-30b-a3b-h20")
     m = run_map(spec, load_sim_config(args.config, profile=args.profile), prof, args.jobs)
     out = Path(args.out or "out/map")
+    out.mkdir(parents=True, exist_ok=True)
     png = heatmap_png(m, out / "regime_map.png")
     md = "# Regime map\n\n" + map_markdown(m, png.name)
     (out / "map.md").write_text(md)
