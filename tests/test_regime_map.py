@@ -75,7 +75,12 @@ def test_knee_sweep_finds_a_loaded_peak_for_every_policy() -> None:
     res = knee_sweeps({"w": wl}, {"s": Setting("w", cfg, PROF)}, pols, pols[0], (0.7, 1.3), pilots=1)
     kr = res["s"]
     assert kr.knee_rate > 0 and set(kr.peaks) == {"smetric", "load_balance"}
-    assert sorted(kr.by_rate["smetric"]) == pytest.approx([0.7 * kr.knee_rate, 1.3 * kr.knee_rate])
+    for name, rates in kr.by_rate.items():
+        got = sorted(rates)
+        assert got[:2] == pytest.approx([0.7 * kr.knee_rate, 1.3 * kr.knee_rate])
+        if len(got) == 3:  # best at the top load: one more run 1.5 x further
+            assert got[2] == pytest.approx(1.95 * kr.knee_rate) and rates[got[1]] >= rates[got[0]]
+        assert len(got) <= 3
     for r in kr.peaks.values():
         assert r.score == max(kr.by_rate[r.policy].values()) > 0
         assert 0 < r.summary["gpu_busy_share"] <= 1 and r.summary["by_reason"]

@@ -4,7 +4,8 @@ A setting is a workload, a sim config (cluster, global tier, PD mode, arrival wi
 A pilot run of one policy at a guessed load measures the GPU busy share; the session rate is scaled
 towards ``TARGET_BUSY`` (twice, by default). Every policy then runs at ``factors`` × that knee rate
 (roots drawn with replacement, so more load means more sessions, never a pool that runs dry) and
-is credited with its best score. A peak at the top rate, or below ``BUSY_FLAG`` GPU busy, is flagged.
+is credited with its best score; a policy whose best is its highest load gets one more run 1.5 x
+further. A peak still at the top rate, or below ``BUSY_FLAG`` GPU busy, is flagged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from smetric_lmc.workload.presets import requests_per_root
 
 TARGET_BUSY = 0.9
 BUSY_FLAG = 0.8
+EXTEND_STEP = 1.5
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,10 @@ def knee_sweeps(
     jobs: int = 1,
     pilots: int = 2,
     desc: str = "knee",
+    extend: int = 1,
 ) -> dict[Hashable, KneeResult]:
+    """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
+    ``EXTEND_STEP`` x further, for the policies whose best is still their top load."""
     keys = list(settings)
     knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
     for it in range(pilots):
@@ -94,24 +99,33 @@ def knee_sweeps(
         for k, r in zip(keys, run_tasks(workloads, tasks, jobs, desc=f"{desc}: pilot {it + 1}/{pilots}")):
             busy = max(float(r.summary.get("gpu_busy_share", 0.0)), 0.05)
             knee[k] *= min(16.0, max(0.25, TARGET_BUSY / busy))
-    tasks, where = [], []
-    for k in keys:
-        s = settings[k]
-        for pol in policies:
-            for f in factors:
-                tasks.append(Task(s.wkey, _at(s.cfg, knee[k] * f), pol, s.profile))
-                where.append((k, pol.name, f))
     out = {k: KneeResult(knee[k]) for k in keys}
-    for (k, name, f), r in zip(where, run_tasks(workloads, tasks, jobs, desc=desc), strict=True):
-        kr = out[k]
-        kr.by_rate.setdefault(name, {})[knee[k] * f] = r.score
-        if name not in kr.peaks or r.score > kr.peaks[name].score:
-            kr.peaks[name] = r
-            kr.rate_factor[name] = f
-    top = max(factors)
-    for kr in out.values():
+    todo = [(k, pol, f) for k in keys for pol in policies for f in factors]
+    top = {(k, pol.name): max(factors) for k in keys for pol in policies}
+    for rnd in range(extend + 1):
+        tasks = [
+            Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), pol, settings[k].profile)
+            for k, pol, f in todo
+        ]
+        label = desc if rnd == 0 else f"{desc}: past the top load ({rnd}/{extend})"
+        for (k, pol, f), r in zip(todo, run_tasks(workloads, tasks, jobs, desc=label), strict=True):
+            kr = out[k]
+            kr.by_rate.setdefault(pol.name, {})[knee[k] * f] = r.score
+            if pol.name not in kr.peaks or r.score > kr.peaks[pol.name].score:
+                kr.peaks[pol.name] = r
+                kr.rate_factor[pol.name] = f
+        if rnd == extend:
+            break
+        # a policy still best at its top load has not shown its knee: one more step up
+        todo = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
+                if out[k].rate_factor[pol.name] >= top[(k, pol.name)] and len(factors) > 1]  # fmt: skip
+        for k, pol, f in todo:
+            top[(k, pol.name)] = f
+        if not todo:
+            break
+    for k, kr in out.items():
         for name, r in kr.peaks.items():
-            if kr.rate_factor[name] >= top and len(factors) > 1:
+            if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:
                 kr.flags.append(f"{name}: best at the top rate")
             busy = float(r.summary.get("gpu_busy_share", 0.0))
             if busy < BUSY_FLAG:
