@@ -6,15 +6,18 @@ rule's two fallbacks are blind to what moving a session costs, and its stickines
 staying costs.
 - Without a global tier, a follow-up shed from an "overloaded" holder, or one whose KV was partly
   evicted, lands on the least-loaded instance by request count and recomputes its whole context
-  there (tens of thousands of tokens each): a few percent of the requests did a third of all
-  recomputation, and LMetric, which weighs the lost hit against the load, beat the rule.
-- With a global tier the opposite: moving costs a fetch that barely stalls the GPU, yet the rule
-  keeps a session on its holder until that holder carries twice the mean load, so sticky requests
-  queued longer than load-balance-only's, which won.
+  there (50-60 k tokens each on trace1): those fallbacks were ~3-9% of the requests but 12-28% of all
+  recomputed tokens, and LMetric, which weighs the lost hit against the load, beat the rule.
+- With a global tier the opposite: moving costs a fetch that barely stalls the GPU (< 1% of busy
+  time), yet the rule keeps a session on its holder until that holder carries twice the mean load,
+  so the balancing baselines (load-balance-only, LMetric, Dynamo) beat it.
+- Without a global tier a first request recomputes its agent framework's prompt on an instance
+  that lacks it; with prompts as large as the KV (the map's right columns) that matters.
 
 The variant keeps the rule's first-request balancing (a session's first request goes to the
-least-loaded instance by request count: the placement that balances the cluster) and decides every
-follow-up by one cost that prices both effects:
+least-loaded instance by request count: the placement that balances the cluster; when the global
+tier lacks its prefix, to the least-loaded instance holding it, unless all such are overloaded) and
+decides every follow-up by one cost that prices both effects:
 
     f[i] = (L - c[i] - discount * max(0, g - c[i])) * (l[i] + offset)
 
