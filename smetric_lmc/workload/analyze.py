@@ -345,6 +345,12 @@ def format_report(report: AnalysisReport) -> str:
         f"- sessions: {r.sessions:,} ({r.families:,} session families), requests: {r.requests:,}, "
         f"block size: {r.block_size} tokens, blocks: {r.total_blocks:,}",
         f"- placement: {r.placement}",
+        "- intra-session reuse counted per "
+        + (
+            "session (the paper's definition)"
+            if r.scope == "session"
+            else "session family (root + sub-agents)"
+        ),
     ]
     for note in r.meta.get("notes", []):
         lines.append(f"- note: {note}")
