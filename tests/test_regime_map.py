@@ -75,7 +75,7 @@ def test_knee_sweep_finds_a_loaded_peak_for_every_policy() -> None:
     res = knee_sweeps({"w": wl}, {"s": Setting("w", cfg, PROF)}, pols, pols[0], (0.7, 1.3), pilots=1)
     kr = res["s"]
     assert kr.knee_rate > 0 and set(kr.peaks) == {"smetric", "load_balance"}
-    for name, rates in kr.by_rate.items():
+    for rates in kr.by_rate.values():
         got = sorted(rates)
         assert got[:2] == pytest.approx([0.7 * kr.knee_rate, 1.3 * kr.knee_rate])
         if len(got) == 3:  # best at the top load: one more run 1.5 x further
