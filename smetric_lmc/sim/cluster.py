@@ -24,6 +24,7 @@ from smetric_lmc.config import PolicyConfig
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
+from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.global_tier import GlobalTier, Links
@@ -234,7 +235,7 @@ class Simulator:
         self.last_root_start = 0.0
 
     @property
-    def gcache(self) -> object | None:
+    def gcache(self) -> PrefixCache | None:
         """The global tier's block cache (None without a global tier)."""
         return self.gtier.cache if self.gtier is not None else None
 
