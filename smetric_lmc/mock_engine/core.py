@@ -1,0 +1,281 @@
+"""A simulated vLLM engine run in real time: the simulator's engine model behind a live interface.
+
+The batching, iteration times, KV capacity and eviction are the simulator's own
+(``smetric_lmc.sim.engine.Instance`` with its ``Profile``): this module only drives that model from
+an asyncio clock instead of a discrete-event heap, turns its callbacks into vLLM KV events (one
+batch per engine step) and token streams, and counts what vLLM's ``/metrics`` reports.
+
+Model time runs ``speed`` times faster than wall time. Block hashes are vLLM's own chain
+(``--prefix-caching-hash-algo``), so the events carry the hashes a real engine would send for the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from smetric_lmc.hashing import vllm_chain
+from smetric_lmc.mock_engine.kv_events import KVEventPublisher, block_removed, block_stored
+from smetric_lmc.sim.engine import Instance, SimRequest
+from smetric_lmc.sim.profile import Profile
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLong(ValueError):
+    """The prompt plus max_tokens do not fit the engine (vLLM answers 400)."""
+
+
+@dataclass
+class Handle:
+    """One request's side of the engine: the model's record plus what the HTTP handler awaits."""
+
+    rid: str
+    token_ids: Sequence[int]
+    sim: SimRequest
+    queue: asyncio.Queue[tuple[str, int]] = field(default_factory=asyncio.Queue)
+    sent: int = 0  # output tokens already handed to the stream
+    cached_tokens: int = 0
+    aborted: bool = False
+    finished: bool = False
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    requests_ok: int = 0
+    requests_aborted: int = 0
+    steps: int = 0
+    evicted_blocks: int = 0
+
+
+class _Index:
+    """What the engine model reports its cache changes to: here, the KV event batch of the step."""
+
+    def __init__(self, core: MockEngineCore) -> None:
+        self.core = core
+
+    def gpu_stored_hashes(self, iid: str, hashes: list[int], parent: int | None) -> None:
+        self.core._stored(hashes, parent)
+
+    def gpu_removed_hashes(self, iid: str, hashes: Sequence[int]) -> None:  # pragma: no cover - see _removed
+        raise AssertionError("the mock engine reports removals block by block")
+
+
+class _MockInstance(Instance):
+    """The simulator's engine with two hooks: removals block by block (as vLLM sends them) and the
+    request whose prefill completes (its tokens go into ``BlockStored``)."""
+
+    core: MockEngineCore
+
+    def _removed(self, chain: np.ndarray, s: int, e: int) -> None:
+        self.core._removed(chain[s:e])
+
+    def _prefill_done(self, r: SimRequest, t: float) -> None:
+        self.core._completing = r
+        try:
+            super()._prefill_done(r, t)
+        finally:
+            self.core._completing = None
+
+
+class MockEngineCore:
+    """One engine: the model instance, its clock, its KV event publisher and its live requests."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        profile: Profile,
+        *,
+        block_size: int = 32,
+        num_gpu_blocks: int | None = None,
+        max_model_len: int | None = None,
+        speed: float = 1.0,
+        stream_interval: int = 4,
+        hash_algo: str = "sha256_cbor",
+        none_hash_seed: str | None = "0",
+        publisher: KVEventPublisher | None = None,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        self.instance_id = instance_id
+        self.profile = profile
+        self.block_size = block_size
+        self.speed = speed
+        self.hash_algo = hash_algo
+        self.none_hash_seed = none_hash_seed
+        self.publisher = publisher
+        host = SimpleNamespace(
+            cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval)),
+            index=_Index(self),
+            push_segment=self._push_segment,
+            account=self._account,
+            on_prefill_done=self._on_prefill_done,
+            on_finish=self._on_finish,
+        )
+        self.inst = _MockInstance(host, instance_id, 0, 0, profile, block_size)  # type: ignore[arg-type]
+        self.inst.core = self
+        # A vLLM engine without LMCache: its prefix cache is its GPU KV, nothing more.
+        gpu = num_gpu_blocks if num_gpu_blocks is not None else profile.gpu_capacity_blocks(block_size)
+        if gpu < 1:
+            raise ValueError(f"{instance_id}: no KV capacity (num_gpu_blocks={gpu})")
+        self.inst.gpu_blocks = gpu
+        self.inst.cache.capacity = gpu
+        self.num_gpu_blocks = gpu
+        self.max_model_len = min(max_model_len or profile.max_model_len, gpu * block_size)
+        self.counters = EngineCounters()
+        self._events: list[dict[str, Any]] = []
+        self._completing: SimRequest | None = None
+        self._handles: dict[str, Handle] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._t0 = 0.0
+
+    # ---- clock ----------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._t0 = self._loop.time()
+        return (self._loop.time() - self._t0) * self.speed
+
+    def _push_segment(self, inst: Instance) -> None:
+        assert self._loop is not None
+        when = self._t0 + inst.seg_end / self.speed
+        self._loop.call_at(when, self._segment_end, inst.seg_end, inst.version)
+
+    def _segment_end(self, t: float, version: int) -> None:
+        if version != self.inst.version:
+            return  # superseded by a cut; the model ignores it too
+        self.inst.on_segment_end(t, version)
+        self.counters.steps += 1
+        for r in self.inst.decoding:
+            self._deliver(r)
+        self._flush()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, token_ids: Sequence[int], max_tokens: int) -> Handle:
+        """Queue a request; its first token, further tokens and end arrive on ``handle.queue``."""
+        n = len(token_ids)
+        if n == 0:
+            raise RequestTooLong("the prompt is empty")
+        if max_tokens < 1:
+            raise RequestTooLong("max_tokens must be at least 1")
+        if n + max_tokens > self.max_model_len:
+            raise RequestTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
+        blocks = np.asarray(
+            vllm_chain(token_ids, self.block_size, algo=self.hash_algo, none_hash_seed=self.none_hash_seed),
+            dtype=np.uint64)
+        rid = f"{self.instance_id}-{next(self._ids)}"
+        now = self._now()
+        r = SimRequest(rid, 0, None, 0, blocks, n, max_tokens, now)
+        h = Handle(rid, token_ids, r)
+        r.session = h
+        self._handles[rid] = h
+        self.inst.enqueue(r, now)
+        self._flush()
+        return h
+
+    def abort(self, h: Handle) -> None:
+        """Stop a request the client gave up on. Queued: dropped. Running: it ends at its next step
+        (a prefill in progress completes first; the model has no partial rollback)."""
+        if h.finished or h.aborted:
+            return
+        h.aborted = True
+        r = h.sim
+        if r in self.inst.waiting:
+            self.inst.waiting.remove(r)
+            self._handles.pop(h.rid, None)
+            h.finished = True
+            self.counters.requests_aborted += 1
+            return
+        r.output = max(1, r.decoded)
+
+    # ---- model callbacks ------------------------------------------------------------------------
+    def _account(self, pos: int, t: float, tokens: int) -> None:
+        pass  # throughput is measured by clients; the model's windows are not needed live
+
+    def _stored(self, hashes: list[int], parent: int | None) -> None:
+        r = self._completing
+        assert r is not None, "blocks stored outside a prefill completion"
+        h: Handle = r.session
+        bs = self.block_size
+        first = r.n_blocks - len(hashes)
+        toks = h.token_ids[first * bs : r.n_blocks * bs]
+        self._events.append(block_stored(hashes, parent, list(toks), bs))
+
+    def _removed(self, hashes: np.ndarray) -> None:
+        self.counters.evicted_blocks += len(hashes)
+        # vLLM's free queue gives up a run's blocks tail first, one event each.
+        for x in reversed(hashes.tolist()):
+            self._events.append(block_removed(int(x)))
+
+    def _on_prefill_done(self, r: SimRequest, t: float) -> None:
+        h: Handle = r.session
+        bs = self.block_size
+        # vLLM never serves the last prompt token from cache and hits whole blocks only.
+        h.cached_tokens = min(r.local_blocks, (r.input - 1) // bs) * bs
+        c = self.counters
+        c.prompt_tokens += r.input
+        c.prefix_queries += r.input
+        c.prefix_hits += h.cached_tokens
+        if not h.aborted:
+            h.queue.put_nowait(("first", h.cached_tokens))
+        self._deliver(r)
+
+    def _on_finish(self, r: SimRequest, t: float) -> None:
+        h: Handle = r.session
+        self._deliver(r)
+        h.finished = True
+        self._handles.pop(h.rid, None)
+        if h.aborted:
+            self.counters.requests_aborted += 1
+        else:
+            self.counters.requests_ok += 1
+            h.queue.put_nowait(("end", h.sent))
+
+    def _deliver(self, r: SimRequest) -> None:
+        h: Handle = r.session
+        k = min(r.decoded, r.output) - h.sent
+        if k > 0:
+            h.sent += k
+            self.counters.generation_tokens += k
+            if not h.aborted:
+                h.queue.put_nowait(("tokens", k))
+
+    def _flush(self) -> None:
+        if self._events and self.publisher is not None:
+            self.publisher.publish(self._events)
+        self._events = []
+
+    # ---- introspection ------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return self.inst.n_running
+
+    @property
+    def waiting(self) -> int:
+        return len(self.inst.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.inst.running_blocks / self.num_gpu_blocks
+
+    def cached_block_hashes(self) -> set[int]:
+        """Every block hash the prefix cache holds (what its KV events should have announced)."""
+        out: set[int] = set()
+        for node in self.inst.cache.nodes():
+            out.update(int(x) for x in node.chain[node.s : node.e])
+        return out
