@@ -146,6 +146,10 @@ class LocalStack:
 
 
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
+    if getattr(args, "mock", 0):
+        from smetric_lmc.mock_engine.stack import bring_up_mock
+
+        return bring_up_mock(args, workdir)
     venv = launch.ensure_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
@@ -221,4 +225,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--engine-timeout-s", type=float, default=300.0)
     p.add_argument("--workdir", default=None, help="config and logs (default: a new temp dir)")
+    p.add_argument("--mock", type=int, default=0, metavar="N",
+                   help="N mock engines (smetric mock-engine: the simulator's engine model) instead of vLLM")
+    p.add_argument("--mock-processes", type=int, default=1, help="processes the mock engines share")
+    p.add_argument("--mock-args", default="", help="extra `smetric mock-engine` options, e.g. '--speed 10'")
     p.set_defaults(func=run_up)

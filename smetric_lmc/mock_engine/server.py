@@ -90,6 +90,7 @@ class MockEngineServer:
         app.router.add_get("/health", self._health)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/mock/cache", self._cache)
         return app
 
     # ---- small endpoints ------------------------------------------------------------------------
@@ -112,6 +113,13 @@ class MockEngineServer:
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.core, self.model), content_type="text/plain")
+
+    async def _cache(self, _r: web.Request) -> web.Response:
+        """Not a vLLM endpoint: what the mock's prefix cache holds, for checking a controller's mirror."""
+        c = self.core
+        return web.json_response({"block_hashes": sorted(c.cached_block_hashes()), "running": c.running,
+                                  "waiting": c.waiting, "evicted_blocks": c.counters.evicted_blocks,
+                                  "kv_batches": c.publisher.batches if c.publisher else 0})
 
     # ---- generation -----------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
