@@ -18,6 +18,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -63,48 +64,64 @@ def load_ready(path: Path) -> list[MockInstance]:
     return [MockInstance(**d) for d in data["instances"]]
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event) -> list[MockInstance]:
+@contextlib.asynccontextmanager
+async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[MockInstance, MockEngineCore]]]:
+    """Serve ``args.instances`` mock engines in this event loop until the block exits."""
     profile = load_profile(args.profile)
     host = args.host
     runners: list[web.AppRunner] = []
-    cores: list[MockEngineCore] = []
-    out: list[MockInstance] = []
+    out: list[tuple[MockInstance, MockEngineCore]] = []
     try:
         for i in range(args.instances):
             iid = f"{args.id_prefix}-{args.first_index + i}"
             http_port, kv_port, replay_port = _ports(args, i)
             pub = KVEventPublisher(f"tcp://{host}:{kv_port}", f"tcp://{host}:{replay_port}", topic=args.topic)
-            pub.start()
             core = MockEngineCore(
                 iid, profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                 max_model_len=args.max_model_len, speed=args.speed, stream_interval=args.stream_interval,
                 hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub)
-            cores.append(core)
+            pub.start()
             runner = web.AppRunner(MockEngineServer(core, args.served_model_name).app(), access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, host, http_port)
-            await site.start()
             runners.append(runner)
+            await web.TCPSite(runner, host, http_port).start()
             port = runner.addresses[0][1]
-            out.append(MockInstance(iid, f"http://{host}:{port}", pub.endpoint, pub.replay_endpoint or "",
-                                    args.block_size, args.served_model_name, args.hash_algo, core.num_gpu_blocks,
-                                    core.max_model_len))
-        doc = json.dumps({"instances": [asdict(m) for m in out], "profile": profile.name, "speed": args.speed})
+            info = MockInstance(iid, f"http://{host}:{port}", pub.endpoint, pub.replay_endpoint or "",
+                                args.block_size, args.served_model_name, args.hash_algo, core.num_gpu_blocks,
+                                core.max_model_len)
+            out.append((info, core))
+        yield out
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for _, core in out:
+            if core.publisher is not None:
+                await core.publisher.close()
+
+
+def options(**overrides: Any) -> argparse.Namespace:
+    """The command's defaults with ``overrides``: for starting mocks from Python."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args([])
+    for k, v in overrides.items():
+        if not hasattr(args, k):
+            raise TypeError(f"unknown mock-engine option {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    async with running_mocks(args) as mocks:
+        doc = json.dumps({"instances": [asdict(m) for m, _ in mocks], "profile": args.profile, "speed": args.speed})
         if args.ready_file:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(doc)
             tmp.replace(args.ready_file)
         print(doc, flush=True)
-        log.info("mock engines up: %d instances (%s, speed %g, %d KV blocks each)", len(out), profile.name,
-                 args.speed, cores[0].num_gpu_blocks if cores else 0)
+        log.info("mock engines up: %d instances (%s, speed %g, %d KV blocks each)", len(mocks), args.profile,
+                 args.speed, mocks[0][1].num_gpu_blocks if mocks else 0)
         await stop.wait()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-        for core in cores:
-            if core.publisher is not None:
-                await core.publisher.close()
-    return out
 
 
 def run_mock_engine(args: argparse.Namespace) -> int:
