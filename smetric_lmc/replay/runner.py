@@ -23,7 +23,7 @@ import aiohttp
 
 from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens
 from smetric_lmc.sim.cluster import place_sessions
-from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
+from smetric_lmc.workload.model import TraceSession, Workload
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class ReplayConfig:
 @dataclass
 class Record:
     session: int  # index of the replayed session
+    session_id: str  # the trace's session id
     request: int  # index of the request in its session
     turn: int
     input: int
@@ -166,30 +167,36 @@ class Replay:
         self._n_sessions += 1
         cfg = self.cfg
         if cfg.arrival == "open":
-            for k, tr in enumerate(trace.requests):
-                self._spawn(self._open_request(idx, k, tr, start + tr.arrival * cfg.time_scale))
+            for k in range(len(trace.requests)):
+                at = start + trace.requests[k].arrival * cfg.time_scale
+                self._spawn(self._open_request(trace, idx, k, at))
             return
         await self._sleep_until(start)
         for k, tr in enumerate(trace.requests):
             if k:
                 await asyncio.sleep(min(max(0.0, tr.think_time), cfg.max_think_s) * cfg.time_scale)
-            await self._request(idx, k, tr)
+            await self._request(trace, idx, k)
             for child in self._children.get((trace.session_id, k), ()):
                 self._spawn(self._session(child, self._now()))
 
-    async def _open_request(self, idx: int, k: int, tr: TraceRequest, at: float) -> None:
+    async def _open_request(self, trace: TraceSession, idx: int, k: int, at: float) -> None:
         await self._sleep_until(at)
-        await self._request(idx, k, tr)
+        await self._request(trace, idx, k)
 
     # ---- one request ------------------------------------------------------------------------------
-    async def _request(self, idx: int, k: int, tr: TraceRequest) -> None:
+    def prompt(self, trace: TraceSession, idx: int, k: int) -> list[int]:
+        """The token ids replayed for request ``k`` of ``trace`` (replayed as session ``idx``)."""
+        return prompt_tokens(trace.requests[k], self.wl.block_size, self.cfg.tokens, scale=self.cfg.context_scale,
+                             salt=(idx << 20) | k)
+
+    async def _request(self, trace: TraceSession, idx: int, k: int) -> None:
         cfg = self.cfg
-        ids = prompt_tokens(tr, self.wl.block_size, cfg.tokens, scale=cfg.context_scale,
-                            salt=(idx << 20) | k)
+        tr = trace.requests[k]
+        ids = self.prompt(trace, idx, k)
         out = max(1, round(tr.output_tokens * cfg.output_scale))
         if cfg.max_output is not None:
             out = min(out, cfg.max_output)
-        rec = Record(idx, k, tr.turn, len(ids), out)
+        rec = Record(idx, trace.session_id, k, tr.turn, len(ids), out)
         if cfg.max_model_len is not None and len(ids) + out > cfg.max_model_len:
             rec.rejected = True
             rec.error = f"longer than max_model_len {cfg.max_model_len}"
