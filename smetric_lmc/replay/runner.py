@@ -22,7 +22,7 @@ from typing import Any, Literal
 import aiohttp
 
 from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens
-from smetric_lmc.sim.cluster import place_sessions
+from smetric_lmc.sim.cluster import chained_lcp, place_sessions
 from smetric_lmc.workload.model import TraceSession, Workload
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Record:
     instance: str = ""  # X-SMetric-Instance (empty when the endpoint is an engine)
     reason: str = ""  # X-SMetric-Reason
     local_hit: int | None = None  # X-SMetric-Local-Hit: the controller's predicted cached tokens
+    est_hit: int = 0  # sent as X-SMetric-Est-Hit: the prefix shared with the session's previous request
     policy: str = ""
 
 
@@ -197,6 +198,10 @@ class Replay:
         if cfg.max_output is not None:
             out = min(out, cfg.max_output)
         rec = Record(idx, trace.session_id, k, tr.turn, len(ids), out)
+        # What the session's previous request should have left cached, as the simulator computes it.
+        if tr.turn > 0 and k > 0:
+            shared = chained_lcp(trace.requests[k - 1].block_ids, tr.block_ids) * self.wl.block_size
+            rec.est_hit = min(len(ids), round(shared * cfg.context_scale))
         if cfg.max_model_len is not None and len(ids) + out > cfg.max_model_len:
             rec.rejected = True
             rec.error = f"longer than max_model_len {cfg.max_model_len}"
@@ -216,7 +221,7 @@ class Replay:
 
     async def _send(self, body: dict[str, Any], rec: Record) -> None:
         assert self._http is not None
-        headers = {"X-SMetric-Turn": str(rec.turn)}
+        headers = {"X-SMetric-Turn": str(rec.turn), "X-SMetric-Est-Hit": str(rec.est_hit)}
         async with self._http.post(self.cfg.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
             rec.status = resp.status
             rec.instance = resp.headers.get("X-SMetric-Instance", "")
