@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smetric_lmc.workload.model import TraceRequest
+from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -77,3 +77,22 @@ def prompt_tokens(
         tail = space.blocks(_mix(seeds), block_size).reshape(-1)[:rest]
         body = np.concatenate([body, tail])
     return body[:n].tolist()
+
+
+def scale_workload(wl: Workload, scale: float) -> Workload:
+    """The same sessions with every prompt (and its shared prefixes) ``scale`` times as long: what a
+    replay with ``context_scale`` sends, as a workload the simulator can run too."""
+    if scale == 1.0:
+        return wl
+    if not 0 < scale <= 1:
+        raise ValueError("scale must be in (0, 1]")
+    bs = wl.block_size
+    sessions = []
+    for s in wl.sessions:
+        reqs = []
+        for r in s.requests:
+            n = max(1, round(r.input_tokens * scale))
+            ids = scaled_ids(r.block_ids, n // bs, scale)
+            reqs.append(TraceRequest(r.arrival, n, r.output_tokens, ids, r.think_time, r.kind, r.turn))
+        sessions.append(TraceSession(s.session_id, reqs, s.parent_id, s.start_offset))
+    return Workload(f"{wl.name}@x{scale:g}", bs, sessions, dict(wl.meta))
