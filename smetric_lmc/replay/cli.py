@@ -103,3 +103,39 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run_replay)
+
+
+# ---- `smetric sim calibrate` / `smetric sim validate` (registered by smetric_lmc.sim.cli) ----------------
+def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("calibrate / validate")
+    g.add_argument("--engine", help="calibrate: base URL of a running, idle vLLM engine")
+    g.add_argument("--model-dir", help="calibrate: the served model's folder (config.json gives its shape)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="calibrate: the engine's --max-num-seqs")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="calibrate: the engine's --max-num-batched-tokens")
+    g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
+
+
+def run_calibration_action(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        from smetric_lmc.replay.calibrate import calibrate
+
+        if not args.engine or not args.out:
+            log.error("smetric sim calibrate needs --engine URL and --out profile.yaml")
+            return 2
+        cal = calibrate(args.engine, Path(args.out), base=args.profile,
+                        model_dir=Path(args.model_dir) if args.model_dir else None,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        print(cal.report())
+        print(f"wrote {args.out} (use: smetric sim --profile {args.out})")
+        return 0
+    from smetric_lmc.replay.validate import real_available, validate_real
+
+    why = real_available()
+    if why:
+        log.error("smetric sim validate: %s", why)
+        return 2
+    policies = tuple(args.policies.split(",")) if args.policies else ("smetric", "load_balance", "round_robin")
+    out = validate_real(Path(args.out or "validate-out"), engines=args.engines, policies=policies)
+    print(json.dumps(out))
+    return 0

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ def with_kv_tokens(profile: Profile, tokens: int) -> Profile:
 
 
 def write_profile(profile: Profile, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(asdict(profile), sort_keys=False))
     return path
 
@@ -105,7 +107,7 @@ def warm_up(gateway_url: str, route_url: str) -> None:
 
 def run_live(wl: Workload, profile_path: Path, policy: str, instances: int, rate: float, seed: int,
              max_think_s: float, speed: float, workdir: Path, processes: int = 1,
-             progress: Any = None) -> list[Record]:
+             progress: Any = None, after: Callable[[Any], None] | None = None) -> list[Record]:
     """The workload through ``instances`` mock engines, the controller and the gateway."""
     from smetric_lmc.mock_engine.stack import bring_up_mock
     from smetric_lmc.workers import launch
@@ -120,17 +122,24 @@ def run_live(wl: Workload, profile_path: Path, policy: str, instances: int, rate
         warm_up(stack.gateway_url, route_url)
         cfg = ReplayConfig(url=stack.gateway_url, rate=rate * speed, time_scale=1.0 / speed, max_think_s=max_think_s,
                            seed=seed, records=workdir / "records.jsonl")
-        return replay(wl, cfg, progress)
+        records = replay(wl, cfg, progress)
+        if after is not None:
+            after(stack)
+        return records
     finally:
         stack.stop()
 
 
 def compare(wl: Workload, profile: Profile, policies: list[str], *, instances: int, rate: float, seed: int = 0,
-            max_think_s: float = 600.0, speed: float = 20.0, workdir: Path, processes: int = 1) -> list[Comparison]:
+            max_think_s: float = 600.0, speed: float = 20.0, workdir: Path, processes: int = 1,
+            after: Callable[[Any], None] | None = None) -> list[Comparison]:
+    """Each policy live (a fresh stack each) and simulated; ``after(stack)`` runs on the first live
+    stack once its replay is done (e.g. a throughput probe)."""
     path = write_profile(profile, workdir / "profile.yaml")
     out = []
     for pol in policies:
-        records = run_live(wl, path, pol, instances, rate, seed, max_think_s, speed, workdir / pol, processes)
+        records = run_live(wl, path, pol, instances, rate, seed, max_think_s, speed, workdir / pol, processes,
+                           after=after if pol == policies[0] else None)
         live = summarize_records(records, policy=pol)
         failed = live.summary["failed"]
         if failed:

@@ -44,8 +44,9 @@ def _floats(text: str | None) -> list[float] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report"), default="run",
-                   help="run (default) or report: write the WEKA results document")  # fmt: skip
+    p.add_argument("action", nargs="?", choices=("run", "report", "calibrate", "validate"), default="run",
+                   help="run (default); report: write the WEKA results document; calibrate: profile a "
+                        "running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
     p.add_argument("--trace", help="trace file/folder/archive (WEKA, Bailian, Mooncake, native); default: synthetic")
     p.add_argument("--shared-prefix", action="store_true",
                    help="WEKA: map each session's system prompt + tools to ids shared across sessions")  # fmt: skip
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for sweeps")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
+    from smetric_lmc.replay.cli import add_calibration_arguments
+
+    add_calibration_arguments(p)
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -108,6 +112,10 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.results_doc import main_report
 
         return main_report(args)
+    if args.action in ("calibrate", "validate"):
+        from smetric_lmc.replay.cli import run_calibration_action
+
+        return run_calibration_action(args)
     wl = load_workload(args)
     cfg = base_config(args)
     prof = load_profile(args.profile or cfg.profile)
