@@ -27,7 +27,8 @@ def columns(records: Sequence[Record]) -> tuple[dict[str, np.ndarray], list[str]
     sticky: list[int] = []
     for r in recs:
         if r.turn == 0:
-            first[r.session] = r.instance
+            if r.ok:  # as in the simulator: a rejected first turn was never routed
+                first[r.session] = r.instance
             sticky.append(-1)
         elif r.session in first and r.instance and r.ok:
             sticky.append(int(first[r.session] == r.instance))
