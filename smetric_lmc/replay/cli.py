@@ -135,7 +135,9 @@ def run_calibration_action(args: argparse.Namespace) -> int:
     if why:
         log.error("smetric sim validate: %s", why)
         return 2
-    policies = tuple(args.policies.split(",")) if args.policies else ("smetric", "load_balance", "round_robin")
+    from smetric_lmc.replay.validate import DEFAULT_POLICIES
+
+    policies = tuple(args.policies.split(",")) if args.policies else DEFAULT_POLICIES
     out = validate_real(Path(args.out or "validate-out"), engines=args.engines, policies=policies)
     print(json.dumps(out))
     return 0

@@ -1,0 +1,31 @@
+"""smetric replay against a real vLLM CPU engine: the prompts' token ids reproduce the trace's block
+sharing in vLLM's own prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import StartEngines
+
+from smetric_lmc.replay.runner import ReplayConfig, replay
+from smetric_lmc.replay.validate import small_workload
+from smetric_lmc.sim.cluster import chained_lcp
+
+pytestmark = pytest.mark.e2e
+
+
+def test_replay_reproduces_block_sharing_on_vllm(start_engines: StartEngines) -> None:
+    (engine,) = start_engines(1)
+    wl = small_workload(sessions=3, turns=5, context_scale=0.02, output_scale=0.02, seed=4)
+    records = replay(wl, ReplayConfig(url=engine.http_url, rate=5.0, max_think_s=0.2, seed=1))
+    served = [r for r in records if not r.rejected]
+    assert len(served) >= 10 and all(r.ok for r in served), [r.error for r in served if not r.ok]
+    by_id = {s.session_id: s for s in wl.sessions}
+    follow = 0
+    for r in served:
+        tr = by_id[r.session_id].requests[r.request]
+        before = [q for q in served if q.finish <= r.arrival]
+        shared = max((chained_lcp(by_id[q.session_id].requests[q.request].block_ids, tr.block_ids)
+                      for q in before), default=0)
+        assert r.cached_tokens == min(shared * wl.block_size, (r.input - 1) // 32 * 32), (r.session_id, r.request)
+        follow += r.request > 0 and shared > 0
+    assert follow >= 5
