@@ -88,6 +88,21 @@ def _path_overhead(gateway: str, cal: Calibration, n: int = 9) -> float:
     return max(0.0, float(np.median(times)) - cal.profile.iteration_time([(32, 0)], 0, 0))
 
 
+def _reset_caches(engines: list[Any]) -> None:
+    """Empty every engine's prefix cache, and make sure the controller has heard about it: vLLM queues
+    ``AllBlocksCleared`` and publishes it with its next step, so an idle engine is given one tiny
+    request (shorter than a block: it stores nothing)."""
+    for e in engines:
+        _post(f"{e.http_url}/reset_prefix_cache")
+    for e in engines:
+        body = json.dumps({"model": e.model, "prompt": [5, 6, 7], "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"{e.http_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+    time.sleep(1.0)  # the batch reaches the controller's subscriber
+
+
 def real_available() -> str | None:
     """Why the real-engine validation cannot run here (None: it can)."""
     from smetric_lmc.workers import launch
@@ -156,9 +171,7 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         points: list[RealPoint] = []
         for pol in policies:
             _set_policy(config_path, data, pol, route_url)
-            for e in running:
-                _post(f"{e.http_url}/reset_prefix_cache")
-            time.sleep(1.5)  # AllBlocksCleared reaches the controller
+            _reset_caches(running)
             records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
                                               records=work / f"{pol}.jsonl"))
             live = summarize_records(records, policy=pol)
