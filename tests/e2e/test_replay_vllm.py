@@ -3,8 +3,9 @@ sharing in vLLM's own prefix cache (``usage.prompt_tokens_details.cached_tokens`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-from conftest import StartEngines
 
 from smetric_lmc.replay.runner import ReplayConfig, replay
 from smetric_lmc.replay.validate import small_workload
@@ -13,7 +14,7 @@ from smetric_lmc.sim.cluster import chained_lcp
 pytestmark = pytest.mark.e2e
 
 
-def test_replay_reproduces_block_sharing_on_vllm(start_engines: StartEngines) -> None:
+def test_replay_reproduces_block_sharing_on_vllm(start_engines: Callable[..., list]) -> None:
     (engine,) = start_engines(1)
     wl = small_workload(sessions=3, turns=5, context_scale=0.02, output_scale=0.02, seed=4)
     records = replay(wl, ReplayConfig(url=engine.http_url, rate=5.0, max_think_s=0.2, seed=1))
