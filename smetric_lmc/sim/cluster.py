@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import inspect
 import itertools
 import logging
 import math
@@ -24,10 +25,13 @@ from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 from smetric_lmc.sim.cache import PrefixCache
-from smetric_lmc.sim.config import SimConfig, global_capacity_factor
-from smetric_lmc.sim.engine import Instance, SimRequest
-from smetric_lmc.sim.metrics import Recorder, SimResult, summarize
+from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
+from smetric_lmc.sim.engine import Instance
+from smetric_lmc.sim.global_tier import GlobalTier, Links
+from smetric_lmc.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.sim.profile import Profile, load_profile
+from smetric_lmc.sim.request import SimRequest
+from smetric_lmc.sim.transfer import Network
 from smetric_lmc.workload.model import TraceSession, Workload
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 _ARRIVE = 0
 _READY = 1
 _SEGMENT = 2
+_XFER = 3
+_CALL = 4
 
 
 def chained_lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -54,46 +60,105 @@ def chained_lcp(a: np.ndarray, b: np.ndarray) -> int:
     return hi
 
 
-class _Session:
-    __slots__ = ("trace", "idx", "start", "first_inst", "prev_blocks")
+def shared_depths(workload: Workload) -> dict[str, int]:
+    """Per session: how many leading blocks its first prompt shares with any other session's (a
+    framework/system prompt). Sorting the prompts puts each one's best match next to it."""
+    firsts = [(s.requests[0].block_ids, s.session_id) for s in workload.sessions if s.requests]
+    firsts.sort(key=lambda x: tuple(x[0].tolist()))
+    out = {sid: 0 for _, sid in firsts}
+    for (a, ia), (b, ib) in itertools.pairwise(firsts):
+        n = chained_lcp(a, b)
+        out[ia] = max(out[ia], n)
+        out[ib] = max(out[ib], n)
+    return out
 
-    def __init__(self, trace: TraceSession, idx: int, start: float) -> None:
+
+# Copies of a session (sampling with replacement) get distinct content past the prefix it shares
+# with other sessions: its ids there are XORed with a per-copy salt (ids stay prefix-chained).
+_SALT_STEP = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+class _Session:
+    __slots__ = ("trace", "idx", "start", "first_inst", "prev_blocks", "salt", "depth", "_memo")
+
+    def __init__(self, trace: TraceSession, idx: int, start: float, salt: int = 0, depth: int = 0) -> None:
         self.trace = trace
         self.idx = idx
         self.start = start
         self.first_inst = -1  # instance of the session's latest first-turn request
         self.prev_blocks: np.ndarray | None = None
+        self.salt = salt
+        self.depth = depth
+        self._memo: tuple[int, np.ndarray] | None = None
 
-
-@dataclass(slots=True)
-class _Link:
-    free_at: float = 0.0
-    busy_s: float = 0.0
-    bytes: float = 0.0
+    def blocks_of(self, k: int) -> np.ndarray:
+        ids = self.trace.requests[k].block_ids
+        if not self.salt:
+            return ids
+        memo = self._memo
+        if memo is not None and memo[0] == k:
+            return memo[1]
+        out = ids.copy()
+        out[self.depth :] ^= np.uint64((self.salt * _SALT_STEP) & _U64)
+        self._memo = (k, out)
+        return out
 
 
 @dataclass(slots=True)
 class Placement:
-    """Root session starts, and for every parent the sub-agents it spawns: (parent request index
-    after whose completion the child starts, child, recorded offset from the parent's start)."""
+    """Root session starts (trace, start, copy number), and for every parent the sub-agents it
+    spawns: (parent request index after whose completion the child starts, child, recorded offset
+    from the parent's start)."""
 
-    roots: list[tuple[TraceSession, float]]
+    roots: list[tuple[TraceSession, float, int]]
     children: dict[str, list[tuple[int, TraceSession, float]]]
 
 
-def place_sessions(workload: Workload, rate: float, seed: int, max_sessions: int | None) -> Placement:
-    """Root sessions start as a Poisson process, in a seeded random order. A sub-agent starts when
-    the parent request that was in progress at its recorded start completes (the tool call that
-    spawned it), so it keeps its place in the parent's timeline however fast the replay runs."""
+def place_sessions(
+    workload: Workload,
+    rate: float,
+    seed: int,
+    max_sessions: int | None,
+    sampling: str = "once",
+    window_s: float | None = None,
+) -> Placement:
+    """Root sessions start as a Poisson process. ``once``: every root (or the first
+    ``max_sessions``) once, in a seeded random order. ``replace``: roots drawn uniformly with
+    replacement until ``window_s``, so the offered load is ``rate`` however small the pool; the
+    k-th draw of the same root is copy k. A sub-agent starts when the parent request that was in
+    progress at its recorded start completes (the tool call that spawned it), so it keeps its place
+    in the parent's timeline however fast the replay runs."""
     rng = np.random.default_rng(seed)
     roots_of = workload.root_of()
     roots = [s for s in workload.sessions if roots_of[s.session_id] == s.session_id]
-    order = rng.permutation(len(roots))
-    if max_sessions is not None:
-        order = order[:max_sessions]
-    starts = np.cumsum(rng.exponential(1.0 / rate, size=len(order)))
-    placed = [(roots[int(k)], float(t)) for k, t in zip(order, starts)]
-    chosen = {s.session_id for s, _ in placed}
+    placed: list[tuple[TraceSession, float, int]] = []
+    if sampling == "replace":
+        if window_s is None or window_s <= 0:
+            raise ValueError("sampling 'replace' needs arrival_window_s > 0")
+        if not roots:
+            return Placement([], {})
+        # enough exponential gaps to cover the window with overwhelming probability
+        n = int(rate * window_s + 10 * math.sqrt(rate * window_s) + 10)
+        starts = np.cumsum(rng.exponential(1.0 / rate, size=n))
+        starts = starts[starts <= window_s]
+        if max_sessions is not None:
+            starts = starts[:max_sessions]
+        picks = rng.integers(len(roots), size=len(starts))
+        seen: dict[int, int] = {}
+        for k, t in zip(picks.tolist(), starts.tolist()):
+            c = seen.get(k, 0)
+            seen[k] = c + 1
+            placed.append((roots[k], float(t), c))
+    elif sampling == "once":
+        order = rng.permutation(len(roots))
+        if max_sessions is not None:
+            order = order[:max_sessions]
+        starts = np.cumsum(rng.exponential(1.0 / rate, size=len(order)))
+        placed = [(roots[int(k)], float(t), 0) for k, t in zip(order, starts)]
+    else:
+        raise ValueError(f"sampling must be once or replace, got {sampling!r}")
+    chosen = {s.session_id for s, _, _ in placed}
     rel = workload.absolute_start()
     by_id = {s.session_id: s for s in workload.sessions}
     children: dict[str, list[tuple[int, TraceSession, float]]] = {}
@@ -107,6 +172,13 @@ def place_sessions(workload: Workload, rate: float, seed: int, max_sessions: int
         j = max(0, int(np.searchsorted(arrivals, offset, side="right")) - 1) if arrivals else 0
         children.setdefault(pid, []).append((j, s, offset))
     return Placement(placed, children)
+
+
+def _make_index(bs: int, clock: Callable[[], float]) -> TierIndex:
+    # TierIndex gains a clock for pending-block deadlines; the simulator's is virtual time.
+    if "clock" in inspect.signature(TierIndex).parameters:
+        return TierIndex(bs, bs, clock=clock)  # type: ignore[call-arg]
+    return TierIndex(bs, bs)
 
 
 class Simulator:
@@ -123,13 +195,22 @@ class Simulator:
         self.profile = profile or load_profile(cfg.profile)
         self.bs = workload.block_size
         self.now = 0.0
-        self.index = TierIndex(self.bs, self.bs)
+        self.index = _make_index(self.bs, lambda: self.now)
         self.load = LoadTracker(clock=lambda: self.now)
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
         prof = self.profile
         self.instances: list[Instance] = []
         self.by_id: dict[str, Instance] = {}
         per_node = prof.instances_per_node
+        self.n_nodes = math.ceil(cfg.instances / per_node)
+        self._heap: list[tuple[float, int, int, object, object]] = []
+        self._seq = itertools.count()
+        self.net = Network(self._schedule_net)
+        self.links = Links(cfg.instances, self.n_nodes, prof.host_link_bytes_per_s, prof.link_bytes_per_s)
+        cap = global_capacity_blocks(cfg.global_tier, prof, self.bs, cfg.instances, self.n_nodes)
+        self.gtier: GlobalTier | None = None
+        if cap is not None:
+            self.gtier = GlobalTier(cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token)
         for k in range(cfg.instances):
             iid = f"i{k:03d}"
             self.index.register_instance(iid)
@@ -137,27 +218,26 @@ class Simulator:
             inst = Instance(self, iid, k, k // per_node, prof, self.bs)
             self.instances.append(inst)
             self.by_id[iid] = inst
-        self.links = [_Link() for _ in range(math.ceil(cfg.instances / per_node))]
-        factor = global_capacity_factor(cfg.global_tier)
-        self.gcache: PrefixCache | None = None
-        if factor is not None:
-            cap = factor * prof.local_capacity_blocks(self.bs) * cfg.instances
-            self.gcache = PrefixCache(cap, on_removed=self._global_removed)
         self.max_context = prof.max_context(self.bs)
         self.rec = Recorder()
         self.win_tokens: list[np.ndarray] = []
+        self.busy_in_window = 0.0  # engine-busy seconds inside [first, last root start]
         # the policy's load (in flight / unprefilled tokens) per instance, sampled at every routing
-        # decision and summed per window: what the paper's max/mean load compares
+        # decision and summed per window: the secondary, routing-time imbalance figure
         self.win_load: list[np.ndarray] = []
         self.win_samples: list[int] = []
         self._ids = [i.iid for i in self.instances]
-        self._heap: list[tuple[float, int, int, object, object]] = []
-        self._seq = itertools.count()
         self.events = 0
         self._n_sessions = 0
         self._children: dict[tuple[str, int], list[TraceSession]] = {}
+        self._depth: dict[str, int] = {}
         self.first_root_start = 0.0
         self.last_root_start = 0.0
+
+    @property
+    def gcache(self) -> PrefixCache | None:
+        """The global tier's block cache (None without a global tier)."""
+        return self.gtier.cache if self.gtier is not None else None
 
     # ---- event plumbing ------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj: object, extra: object = None) -> None:
@@ -166,12 +246,26 @@ class Simulator:
     def push_segment(self, inst: Instance) -> None:
         self._push(inst.seg_end, _SEGMENT, inst, inst.version)
 
+    def push_call(self, t: float, fn: Callable[[float], None]) -> None:
+        self._push(t, _CALL, fn)
+
+    def _schedule_net(self, t: float, version: int) -> None:
+        self._push(t, _XFER, None, version)
+
+    def _windows(self, store: list[np.ndarray], w: int, dtype: type) -> list[np.ndarray]:
+        while len(store) <= w:
+            store.append(np.zeros(len(self.instances), dtype=dtype))
+        return store
+
     def account(self, pos: int, t: float, tokens: int) -> None:
         w = int(t // self.cfg.window_s)
-        wt = self.win_tokens
-        while len(wt) <= w:
-            wt.append(np.zeros(len(self.instances), dtype=np.int64))
-        wt[w][pos] += tokens
+        self._windows(self.win_tokens, w, np.int64)[w][pos] += tokens
+
+    def account_busy(self, pos: int, t0: float, t1: float) -> None:
+        # the measurement window is known before the run: clip to it exactly
+        span = min(t1, self.last_root_start) - max(t0, self.first_root_start)
+        if span > 0:
+            self.busy_in_window += span
 
     def _sample_load(self, t: float) -> None:
         w = int(t // self.cfg.window_s)
@@ -181,9 +275,6 @@ class Simulator:
             ws.append(0)
         wl[w] += self.load.loads(self._ids, self.cfg.pd)
         ws[w] += 1
-
-    def _global_removed(self, chain: np.ndarray, s: int, e: int) -> None:
-        self.index.global_removed(chain[s:e].tolist())
 
     # ---- run -----------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> SimResult:
@@ -201,24 +292,30 @@ class Simulator:
                 gc.enable()
 
     def _run(self, progress: Callable[[int], None] | None) -> SimResult:
-        pl = place_sessions(self.workload, self.cfg.rate, self.cfg.seed, self.cfg.max_sessions)
+        cfg = self.cfg
+        pl = place_sessions(self.workload, cfg.rate, cfg.seed, cfg.max_sessions, cfg.sampling, cfg.arrival_window_s)
+        if cfg.sampling == "replace":
+            self._depth = shared_depths(self.workload)
         self._children = {}
         for pid, kids in pl.children.items():
             for j, child, _ in kids:
                 self._children.setdefault((pid, j), []).append(child)
-        self.last_root_start = max((t for _, t in pl.roots), default=0.0)
-        self.first_root_start = min((t for _, t in pl.roots), default=0.0)
-        for s, start in pl.roots:
-            self._start_session(s, start)
-        if self.cfg.arrival == "open":
+        self.last_root_start = max((t for _, t, _ in pl.roots), default=0.0)
+        self.first_root_start = min((t for _, t, _ in pl.roots), default=0.0)
+        for s, start, copy in pl.roots:
+            self._start_session(s, start, copy)
+        if cfg.arrival == "open":
             # Recorded timeline: every sub-agent at its recorded offset from its root's start.
-            root_start = {s.session_id: t for s, t in pl.roots}
             roots_of = self.workload.root_of()
             rel = self.workload.absolute_start()
+            kids_of_root: dict[str, list[TraceSession]] = {}
             for kids in pl.children.values():
                 for _, child, _ in kids:
-                    root = roots_of[child.session_id]
-                    self._start_session(child, root_start[root] + max(0.0, rel[child.session_id] - rel[root]))
+                    kids_of_root.setdefault(roots_of[child.session_id], []).append(child)
+            for s, start, copy in pl.roots:
+                for child in kids_of_root.get(s.session_id, ()):
+                    off = max(0.0, rel[child.session_id] - rel[s.session_id])
+                    self._start_session(child, start + off, copy)
         heap = self._heap
         pop = heapq.heappop
         n = 0
@@ -232,21 +329,53 @@ class Simulator:
                 self._arrive(obj, extra, t)  # type: ignore[arg-type]
                 if progress is not None:
                     progress(1)
+            elif kind == _XFER:
+                self.net.on_wake(t, extra)  # type: ignore[arg-type]
+            elif kind == _CALL:
+                obj(t)  # type: ignore[operator]
             else:
                 r: SimRequest = obj  # type: ignore[assignment]
-                assert r.inst is not None
                 r.inst.enqueue(r, t)
         self.events = n
+        self.net.close(self.now)
         leftover = sum(i.n_running + len(i.waiting) for i in self.instances)
         if leftover:
             log.warning("%d requests never finished", leftover)
-        return summarize(self)
+        return summarize(self._stats())
+
+    def _stats(self) -> RunStats:
+        gt = self.gtier
+        L = self.links
+        return RunStats(
+            cfg=self.cfg,
+            policy=self.policy.name,
+            rec=self.rec,
+            win_tokens=self.win_tokens,
+            busy_in_window=self.busy_in_window,
+            win_load=self.win_load,
+            win_samples=self.win_samples,
+            first_root_start=self.first_root_start,
+            last_root_start=self.last_root_start,
+            events=self.events,
+            busy_s=[i.busy_time for i in self.instances],
+            stall_s=[i.stall_time for i in self.instances],
+            evicted_local_blocks=sum(i.cache.evicted for i in self.instances),
+            evicted_global_blocks=gt.cache.evicted if gt is not None else 0,
+            link_busy_s={
+                "nic_rx": [r.busy_s for r in L.rx], "nic_tx": [r.busy_s for r in L.tx],
+                "pcie_h2d": [r.busy_s for r in L.h2d], "pcie_d2h": [r.busy_s for r in L.d2h],
+            },  # fmt: skip
+            fetched_bytes=gt.fetched_bytes if gt is not None else 0.0,
+            fetched_remote_bytes=gt.fetched_remote_bytes if gt is not None else 0.0,
+            stored_bytes=gt.stored_bytes if gt is not None else 0.0,
+        )
 
     # ---- requests ------------------------------------------------------------------------------
-    def _start_session(self, trace: TraceSession, start: float) -> None:
+    def _start_session(self, trace: TraceSession, start: float, copy: int = 0) -> None:
         if not trace.requests:
             return
-        sess = _Session(trace, self._n_sessions, start)
+        depth = self._depth.get(trace.session_id, 0) if copy else 0
+        sess = _Session(trace, self._n_sessions, start, copy, depth)
         self._n_sessions += 1
         first = start + (trace.requests[0].arrival if self.cfg.arrival == "open" else 0.0)
         self._push(first, _ARRIVE, sess, 0)
@@ -258,7 +387,8 @@ class Simulator:
             nxt = sess.start + trace.requests[k + 1].arrival
             self._push(max(t, nxt), _ARRIVE, sess, k + 1)
         rid = f"{sess.idx}:{k}"
-        r = SimRequest(rid, k, sess, tr.turn, tr.block_ids, tr.input_tokens, tr.output_tokens, t)
+        blocks = sess.blocks_of(k)
+        r = SimRequest(rid, k, sess, tr.turn, blocks, tr.input_tokens, tr.output_tokens, t)
         need = r.input if self.cfg.pd else r.input + r.output
         if need > self.max_context:
             r.reason = "rejected"
@@ -266,13 +396,13 @@ class Simulator:
             self.rec.add(r, -1, rejected=True)
             self._next(sess, k, t)
             return
-        blist = r.blocks.tolist()
+        blist = blocks.tolist()
         est = 0
         if tr.turn > 0 and sess.prev_blocks is not None:
-            est = chained_lcp(sess.prev_blocks, r.blocks) * self.bs
-        sess.prev_blocks = r.blocks
+            est = chained_lcp(sess.prev_blocks, blocks) * self.bs
+        sess.prev_blocks = blocks
         routed = self.router.route(
-            rid, blist, blist if self.gcache is not None else None, r.input, turn=tr.turn, est_hit=est
+            rid, blist, blist if self.gtier is not None else None, r.input, turn=tr.turn, est_hit=est
         )
         if routed.instance_id is None:
             raise RuntimeError("no instance to route to")
@@ -284,53 +414,23 @@ class Simulator:
             sess.first_inst = inst.pos
         if tr.turn > 0:
             r.sticky = int(inst.pos == sess.first_inst)
-        ready = t
-        if self.gcache is not None:
-            h = routed.local_hit_tokens // self.bs
-            g = routed.global_hit_tokens // self.bs
-            if g > h:
-                ready = self._fetch(r, inst, h, g, t)
-        if ready > t:
-            self._push(ready, _READY, r)
-        else:
-            inst.enqueue(r, t)
+        # What to load from the global tier is decided when the engine admits the request.
+        inst.enqueue(r, t)
 
-    def _fetch(self, r: SimRequest, inst: Instance, h: int, g: int, t: float) -> float:
-        """Pull blocks [h, g) over the instance's node link (FIFO: transfers queue for the link)."""
-        assert self.gcache is not None
-        node, got = self.gcache.match(r.blocks[:g])
-        self.gcache.touch(node, t)
-        g = min(g, got)
-        if g <= h:
-            return t
-        link = self.links[inst.node]
-        start = max(t, link.free_at)
-        nbytes = (g - h) * self.bs * self.profile.kv_bytes_per_token
-        dur = nbytes / self.profile.link_bytes_per_s
-        link.free_at = start + dur
-        link.busy_s += dur
-        link.bytes += nbytes
-        r.fetch_from, r.fetch_to = h, g
-        return start + dur
+    def generated_blocks(self, r: SimRequest) -> np.ndarray | None:
+        """The next prompt's ids when it continues ``r``'s prompt (its answer's blocks follow)."""
+        sess: _Session = r.session
+        k = r.idx + 1
+        if k >= len(sess.trace.requests):
+            return None
+        nxt = sess.blocks_of(k)
+        n = r.n_blocks
+        if len(nxt) <= n or (n and nxt[n - 1] != r.blocks[n - 1]):
+            return None
+        return nxt
 
     def on_prefill_done(self, r: SimRequest, t: float) -> None:
         self.load.on_prefilled(r.rid)
-        gc = self.gcache
-        if gc is None or r.n_blocks == 0:
-            return
-        # Write-through: the prompt's blocks the global tier lacks are copied there.
-        node, p = gc.match(r.blocks)
-        end = r.n_blocks
-        if p < end:
-            gc.pin(node, t)
-            if not gc.make_room(end - p):
-                end = p + max(0, int(gc.free))
-            gc.unpin(node, t)
-            if end > p:
-                gc.insert(r.blocks, end, t)
-                self.index.global_stored(r.blocks[p:end].tolist())
-        else:
-            gc.touch(node, t)
 
     def on_finish(self, r: SimRequest, t: float) -> None:
         self.load.on_done(r.rid)
@@ -346,7 +446,7 @@ class Simulator:
         if self.cfg.arrival != "closed":
             return
         for child in self._children.get((sess.trace.session_id, k), ()):
-            self._start_session(child, t)
+            self._start_session(child, t, sess.salt)
         reqs = sess.trace.requests
         if k + 1 < len(reqs):
             think = min(max(0.0, reqs[k + 1].think_time), self.cfg.max_think_s)
@@ -360,6 +460,6 @@ def simulate(
     profile: Profile | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> SimResult:
-    """Run one simulation and return its metrics."""
+    """Run one simulation and return its metrics (the simulator's public entry point)."""
     pol = PolicyConfig(name=policy) if isinstance(policy, str) else policy  # type: ignore[arg-type]
     return Simulator(workload, cfg, pol, profile).run(progress)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from smetric_lmc.sim.profile import configs_dir
+from smetric_lmc.sim.profile import Profile, configs_dir
 
 GLOBAL_CHOICES = ("none", "0.4", "0.8", "1.6", "full")
 
@@ -28,7 +28,11 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instances: int = 32
     rate: float = 0.05  # session arrivals per second (Poisson): the offered-load knob
     arrival: Literal["closed", "open"] = "closed"
-    global_tier: str = "none"  # none | <multiple of total local capacity> | full
+    global_tier: str = "none"  # none | <multiple of total local capacity> | full (the nodes' host pools)
+    # How the engine loads a global-tier hit (DESIGN §4): sync = the whole batch waits (what vLLM's
+    # LMCacheConnectorV1 does), layerwise = overlapped with compute layer by layer, async = only the
+    # fetching request waits.
+    kv_load_mode: Literal["sync", "layerwise", "async"] = "sync"
     pd: bool = False  # PD disaggregation: instances only prefill
     pd_decode_tpot_s: float = 0.020  # decode pace assumed on the separate decode pool (PD mode)
     slo: SLO = msgspec.field(default_factory=SLO)
@@ -43,6 +47,11 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and replaying them would stretch a run over days of mostly idle cluster time.
     max_think_s: float = 600.0
     max_sessions: int | None = None  # replay only the first N root sessions (with their sub-agents)
+    # once: every root session once (the pool can run dry before the GPUs saturate); replace: roots
+    # drawn with replacement as a Poisson process over arrival_window_s (offered load = rate at any
+    # pool size; copies get distinct ids past the prefix shared with other sessions).
+    sampling: Literal["once", "replace"] = "once"
+    arrival_window_s: float = 3600.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,6 +60,8 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.rate <= 0:
             raise ValueError("rate must be > 0")
         global_capacity_factor(self.global_tier)  # validates
+        if self.arrival_window_s <= 0:
+            raise ValueError("arrival_window_s must be > 0")
 
     @property
     def has_global(self) -> bool:
@@ -58,7 +69,8 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def global_capacity_factor(choice: str) -> float | None:
-    """None (no global tier), a multiple of the total local capacity, or inf (fully provisioned)."""
+    """None (no global tier), a multiple of the total local capacity, or inf (``full``: the nodes'
+    configured host pools, see ``global_capacity_blocks``)."""
     if choice == "none":
         return None
     if choice in ("full", "inf"):
@@ -72,9 +84,22 @@ def global_capacity_factor(choice: str) -> float | None:
     return f
 
 
+def global_capacity_blocks(choice: str, prof: Profile, block_size: int, instances: int, nodes: int) -> float | None:
+    """Global-tier capacity in blocks: None (no tier), multiple x total local capacity, or ``full`` =
+    every node's configured host pool (``host_pool_gib_per_node``), LRU like any other."""
+    f = global_capacity_factor(choice)
+    if f is None:
+        return None
+    if math.isinf(f):
+        return float(nodes * prof.host_pool_blocks_per_node(block_size))
+    return f * prof.local_capacity_blocks(block_size) * instances
+
+
 def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
     """Defaults from ``configs/sim.yaml`` (or ``path``), then keyword overrides (None = keep)."""
     p = Path(path) if path is not None else configs_dir() / "sim.yaml"
+    if path is not None and not p.is_file():
+        raise FileNotFoundError(f"sim config {p} does not exist")
     data: dict[str, Any] = {}
     if p.exists():
         with open(p) as fh:

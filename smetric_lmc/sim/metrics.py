@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from smetric_lmc.sim.cluster import Simulator
-    from smetric_lmc.sim.engine import SimRequest
+from smetric_lmc.sim.request import SimRequest
+
+# A policy's peak counts as saturated when its GPUs were at least this busy (DESIGN §4).
+SATURATED_BUSY = 0.8
 
 _COLS = (
     "session", "turn", "input", "output", "arrival", "first_token", "finish", "instance",
@@ -89,22 +90,47 @@ def slo_flags(cols: dict[str, np.ndarray], sim_cfg: Any) -> tuple[np.ndarray, np
     return served, ttft_ok, tpot_ok, np.stack([ttft, tpot])
 
 
-def summarize(sim: Simulator) -> SimResult:
-    cfg = sim.cfg
-    cols = sim.rec.columns()
+@dataclass
+class RunStats:
+    """What a finished run hands to ``summarize`` (plain data: metrics need no simulator)."""
+
+    cfg: Any
+    policy: str
+    rec: Recorder
+    win_tokens: list[np.ndarray]
+    busy_in_window: float  # engine-busy seconds inside [first_root_start, last_root_start]
+    win_load: list[np.ndarray]
+    win_samples: list[int]
+    first_root_start: float
+    last_root_start: float
+    events: int
+    busy_s: list[float]
+    stall_s: list[float]
+    evicted_local_blocks: int
+    evicted_global_blocks: int
+    link_busy_s: dict[str, list[float]]
+    fetched_bytes: float
+    fetched_remote_bytes: float
+    stored_bytes: float
+
+
+def summarize(st: RunStats) -> SimResult:
+    cfg = st.cfg
+    cols = st.rec.columns()
     n = len(cols["input"])
-    win = np.stack(sim.win_tokens) if sim.win_tokens else np.zeros((0, cfg.instances), dtype=np.int64)
+    win = np.stack(st.win_tokens) if st.win_tokens else np.zeros((0, cfg.instances), dtype=np.int64)
     s: dict[str, Any] = {
-        "policy": sim.policy.name,
+        "policy": st.policy,
         "instances": cfg.instances,
         "rate": cfg.rate,
         "global_tier": cfg.global_tier,
+        "kv_load_mode": cfg.kv_load_mode,
         "pd": cfg.pd,
         "requests": n,
     }
     if n == 0:
-        s.update(tps_slo=0.0, prefill_tps_slo=0.0)
-        return SimResult(sim.policy.name, s, np.empty(0), np.empty(0), win, cols)
+        s.update(tps_slo=0.0, prefill_tps_slo=0.0, gpu_busy_share=0.0, saturated=False)
+        return SimResult(st.policy, s, np.empty(0), np.empty(0), win, cols)
     served, ttft_ok, tpot_ok, tt = slo_flags(cols, cfg)
     ttft, tpot = tt
     ok = ttft_ok & tpot_ok
@@ -115,16 +141,24 @@ def summarize(sim: Simulator) -> SimResult:
     t1 = float(np.nanmax(np.where(served, cols["finish"], t0)))
     run_dur = max(t1 - t0, 1e-9)
     w0, w1 = t0, t1
-    if cfg.measure == "arrivals" and sim.last_root_start > sim.first_root_start:
-        w0, w1 = sim.first_root_start, sim.last_root_start
+    if cfg.measure == "arrivals" and st.last_root_start > st.first_root_start:
+        w0, w1 = st.first_root_start, st.last_root_start
     dur = max(w1 - w0, 1e-9)
+    # GPU busy share: a step in progress (load/store waits included), per instance, over the window
+    if (w0, w1) == (t0, t1):
+        busy_share = sum(st.busy_s) / (run_dur * cfg.instances)  # every step lies in the run
+    else:
+        busy_share = st.busy_in_window / (dur * cfg.instances)
     inside = (cols["finish"] >= w0) & (cols["finish"] <= w1)
+    arrived_in = served & (cols["arrival"] >= w0) & (cols["arrival"] <= w1)
     served_in = int(inp[served].sum())
     loc = int(cols["local_tokens"][served].sum())
     glo = int(cols["global_tokens"][served].sum())
     fol = served & (cols["sticky"] >= 0)
-    reasons = Counter(r for r, sv in zip(sim.rec.reasons, served) if sv)
+    reasons = Counter(r for r, sv in zip(st.rec.reasons, served) if sv)
     ttft_s, tpot_s = ttft[served], tpot[served & (outp > 1)]
+    # Links: busy time (at least one transfer on it) over the run; a share of wall time, <= 1.
+    link = {k: float(np.mean(v)) / run_dur if v else 0.0 for k, v in st.link_busy_s.items()}
     s.update(
         rejected=int((~served).sum()),
         rejected_input_share=float(inp[~served].sum() / max(1, inp.sum())),
@@ -144,16 +178,28 @@ def summarize(sim: Simulator) -> SimResult:
         ttft_p50=_pct(ttft_s, 50), ttft_p90=_pct(ttft_s, 90), ttft_p99=_pct(ttft_s, 99),
         tpot_p50=_pct(tpot_s, 50), tpot_p90=_pct(tpot_s, 90), tpot_p99=_pct(tpot_s, 99),
         reasons=dict(sorted(reasons.items())),
-        events=sim.events,
-        evicted_local_blocks=int(sum(i.cache.evicted for i in sim.instances)),
-        evicted_global_blocks=int(sim.gcache.evicted) if sim.gcache is not None else 0,
-        link_busy_share=float(np.mean([lk.busy_s for lk in sim.links]) / dur) if sim.links else 0.0,
-        fetched_gb=float(sum(lk.bytes for lk in sim.links) / 1e9),
+        events=st.events,
+        evicted_local_blocks=int(st.evicted_local_blocks),
+        evicted_global_blocks=int(st.evicted_global_blocks),
+        gpu_busy_share=busy_share,
+        saturated=bool(busy_share >= SATURATED_BUSY),
+        stall_share=float(sum(st.stall_s) / max(1e-9, sum(st.busy_s))),
+        req_per_min_per_instance=float(arrived_in.sum() / (dur / 60.0) / cfg.instances),
+        link_busy_share=link.get("nic_rx", 0.0),
+        nic_tx_busy_share=link.get("nic_tx", 0.0),
+        pcie_h2d_busy_share=link.get("pcie_h2d", 0.0),
+        pcie_d2h_busy_share=link.get("pcie_d2h", 0.0),
+        fetched_gb=st.fetched_bytes / 1e9,
+        fetched_remote_gb=st.fetched_remote_bytes / 1e9,
+        stored_gb=st.stored_bytes / 1e9,
     )  # fmt: skip
+    # The paper's imbalance: tokens processed per instance per window, max/mean.
     imb = imbalance(win)
-    s.update(token_imbalance_mean=imb["mean"], token_imbalance_p95=imb["p95"])
-    if sim.win_load:
-        samples = np.maximum(np.asarray(sim.win_samples, dtype=np.float64), 1)[:, None]
-        imb = imbalance(np.stack(sim.win_load) / samples)
     s.update(imbalance_mean=imb["mean"], imbalance_p50=imb["p50"], imbalance_p95=imb["p95"])
-    return SimResult(sim.policy.name, s, ttft_s, tpot_s, win, cols)
+    s.update(token_imbalance_mean=imb["mean"], token_imbalance_p95=imb["p95"])  # old names, same figure
+    # Secondary: the policy's own load (in flight; unprefilled tokens under PD) sampled at routing.
+    if st.win_load:
+        samples = np.maximum(np.asarray(st.win_samples, dtype=np.float64), 1)[:, None]
+        imb = imbalance(np.stack(st.win_load) / samples)
+    s.update(inflight_imbalance_mean=imb["mean"], inflight_imbalance_p95=imb["p95"])
+    return SimResult(st.policy, s, ttft_s, tpot_s, win, cols)

@@ -54,8 +54,11 @@ class Profile:
     local_cpu_gib: float  # optional LMCache local CPU tier per instance, counted in the local tier
     # cluster
     gpus_per_node: int
-    link_gbps: float  # per-node link to the global tier (shared by the node's instances)
-    link_eff: float
+    link_gbps: float  # per-node RDMA NIC, each direction (shared by the node's instances)
+    link_eff: float  # achieved share of the NIC's line rate
+    host_link_gbs: float  # GPU <-> host link (PCIe), GB/s each direction
+    host_link_eff: float  # achieved share of it for KV copies
+    host_pool_gib_per_node: float  # host memory each node lends to the global tier's pool
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -107,6 +110,13 @@ class Profile:
     @property
     def link_bytes_per_s(self) -> float:
         return self.link_gbps * 1e9 / 8 * self.link_eff
+
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        return self.host_link_gbs * 1e9 * self.host_link_eff
+
+    def host_pool_blocks_per_node(self, block_size: int) -> int:
+        return int(self.host_pool_gib_per_node * GIB / self.kv_bytes_per_token // block_size)
 
     def max_context(self, block_size: int) -> int:
         """Longest input+output a request may have: the model's limit and what the GPU KV holds."""

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.sim.cluster import simulate
 from smetric_lmc.sim.config import SimConfig
-from smetric_lmc.sim.metrics import SimResult
+from smetric_lmc.sim.metrics import SATURATED_BUSY, SimResult
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.workload.model import Workload
 
@@ -77,6 +77,59 @@ class SweepResult:
         for o in self.outcomes:
             seen.setdefault(o.policy, None)
         return list(seen)
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    """A policy's best point over the offered-load sweep (at one knob value), with what says
+    whether the sweep reached its saturation knee: the GPUs' busy share there, the request rate per
+    instance, and ``below_knee`` when the peak sits under ``SATURATED_BUSY`` (the sweep ran out of
+    load before the policy saturated: its "max TPS" is a lower bound, not a maximum)."""
+
+    value: str
+    policy: str
+    rate: float
+    score: float
+    gpu_busy_share: float
+    req_per_min_per_instance: float
+    below_knee: bool
+    at_top_rate: bool  # the best point is the sweep's highest load: the knee may lie beyond it
+    knee_reached: bool  # some run of this policy (here) kept the GPUs >= SATURATED_BUSY busy
+
+
+def _group(o: Outcome) -> tuple[str, str]:
+    """Runs that differ only in offered load: a load sweep's values *are* the loads."""
+    return ("" if o.point.knob == "load" else o.point.value, o.policy)
+
+
+def peak_rows(sr: SweepResult) -> list[PeakRow]:
+    """One row per (knob value, policy) — per policy for a load sweep — at its best score over the
+    offered loads, flagged when below the saturation knee."""
+    top: dict[tuple[str, str], float] = {}
+    busiest: dict[tuple[str, str], float] = {}
+    best: dict[tuple[str, str], Outcome] = {}
+    for o in sr.outcomes:
+        key = _group(o)
+        top[key] = max(top.get(key, 0.0), o.point.cfg.rate)
+        busiest[key] = max(busiest.get(key, 0.0), float(o.result.summary.get("gpu_busy_share", 0.0)))
+        if key not in best or o.result.score > best[key].result.score:
+            best[key] = o
+    rows = []
+    for key, o in best.items():
+        s = o.result.summary
+        busy = float(s.get("gpu_busy_share", 0.0))
+        rows.append(PeakRow(
+            o.point.value, o.policy, o.point.cfg.rate, o.result.score, busy,
+            float(s.get("req_per_min_per_instance", 0.0)), busy < SATURATED_BUSY, o.point.cfg.rate >= top[key],
+            busiest[key] >= SATURATED_BUSY,
+        ))  # fmt: skip
+    for r in rows:
+        if r.below_knee:
+            why = ("more load lost SLO before the GPUs saturated" if r.knee_reached
+                   else "the sweep did not reach its saturation knee")  # fmt: skip
+            log.warning("%s at %s: peak at %.1f%% GPU busy (< %.0f%%): %s",
+                        r.policy, r.value, 100 * r.gpu_busy_share, 100 * SATURATED_BUSY, why)  # fmt: skip
+    return rows
 
 
 _WORKLOAD: Workload | None = None
@@ -193,13 +246,43 @@ def sweep(
     profile: Profile | None = None,
     jobs: int = 1,
     policy_base: PolicyConfig | None = None,
+    extend_to_knee: int = 0,
+    extend_factor: float = 2.0,
 ) -> SweepResult:
+    """Run every point. ``extend_to_knee`` > 0: for each (knob value, policy) whose highest-load run
+    kept its GPUs under ``SATURATED_BUSY``, add a run at ``extend_factor`` x that load, up to that
+    many times, so each policy's peak lies at or past its saturation knee (use ``sampling:
+    replace`` so that more load means more sessions, not a finite pool started faster)."""
+    prof = profile or load_profile(base.profile)
     points = build_points(knob, base, policies, rates, values, policy_base)
-    results = run_points(workload, points, profile or load_profile(base.profile), jobs, desc=f"sweep {knob}")
-    return SweepResult(knob, [Outcome(p, r) for p, r in zip(points, results)])
+    results = run_points(workload, points, prof, jobs, desc=f"sweep {knob}")
+    out = SweepResult(knob, [Outcome(p, r) for p, r in zip(points, results)])
+    for _ in range(extend_to_knee):
+        more = _below_knee_at_top(out, extend_factor)
+        if not more:
+            break
+        res = run_points(workload, more, prof, jobs, desc=f"sweep {knob} (to the knee)")
+        out.outcomes.extend(Outcome(p, r) for p, r in zip(more, res))
+    return out
+
+
+def _below_knee_at_top(sr: SweepResult, factor: float) -> list[Point]:
+    """Points one load step beyond each (knob value, policy) whose top-load run was not saturated."""
+    top: dict[tuple[str, str], Outcome] = {}
+    for o in sr.outcomes:
+        key = _group(o)
+        if key not in top or o.point.cfg.rate > top[key].point.cfg.rate:
+            top[key] = o
+    more = []
+    for o in top.values():
+        if float(o.result.summary.get("gpu_busy_share", 0.0)) < SATURATED_BUSY:
+            p = o.point
+            more.append(Point(p.knob, p.value if p.knob != "load" else f"{p.cfg.rate * factor:g}",
+                              replace_cfg(p.cfg, rate=p.cfg.rate * factor), p.policy))  # fmt: skip
+    return more
 
 
 __all__ = [
-    "GLOBAL_POINTS", "HIT_RATIO_POINTS", "KNOBS", "OVERLOAD_POINTS", "Outcome", "Point", "SweepResult",
-    "build_points", "rates_around", "replace_cfg", "run_points", "sweep",
+    "GLOBAL_POINTS", "HIT_RATIO_POINTS", "KNOBS", "OVERLOAD_POINTS", "Outcome", "PeakRow", "Point", "SweepResult",
+    "build_points", "peak_rows", "rates_around", "replace_cfg", "run_points", "sweep",
 ]  # fmt: skip
