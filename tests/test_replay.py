@@ -55,7 +55,7 @@ async def test_replay_reproduces_the_traces_block_sharing() -> None:
     wl = _small_agent_workload(sessions=3, turns=6)
     async with running_mocks(options(speed=400.0)) as mocks:
         url = mocks[0][0].http_url
-        rp = Replay(wl, ReplayConfig(url=url, rate=50.0, time_scale=0.0005, seed=1))
+        rp = Replay(wl, ReplayConfig(url=url, rate=50.0, time_scale=0.0005, seed=1, feedback=False))
         records = await rp.run()
     assert len(records) == sum(len(s.requests) for s in wl.sessions)
     assert all(r.ok for r in records), [r.error for r in records if not r.ok]
@@ -95,3 +95,27 @@ async def test_scaled_replay_and_skipped_requests() -> None:
         if r.ok:
             assert r.completion_tokens == r.output == max(1, round(tr.output_tokens * 0.5))
     assert any(r.ok and r.cached_tokens for r in records)
+
+
+def check_feedback(records: list, block: int) -> int:
+    """A follow-up that resent its predecessor's answer hits the predecessor's prompt and answer, in
+    whole blocks: the engine cached the generated tokens too. Returns how many were checked."""
+    by_key = {(r.session, r.request): r for r in records}
+    checked = 0
+    for r in records:
+        if r.answer_reused and r.ok:
+            prev = by_key[(r.session, r.request - 1)]
+            assert r.answer_reused == prev.completion_tokens
+            expect = min((prev.input + prev.completion_tokens) // block * block, (r.input - 1) // block * block)
+            assert r.cached_tokens == expect, (r.session, r.request, r.cached_tokens, expect)
+            checked += 1
+    return checked
+
+
+async def test_replay_resends_the_generated_answer_and_it_hits() -> None:
+    wl = _small_agent_workload(sessions=2, turns=6)
+    async with running_mocks(options(speed=400.0)) as mocks:
+        records = await Replay(wl, ReplayConfig(url=mocks[0][0].http_url, rate=50.0, time_scale=0.0005,
+                                                context_scale=0.1, output_scale=0.1)).run()
+    assert all(r.ok for r in records)
+    assert check_feedback(records, 32) >= 5

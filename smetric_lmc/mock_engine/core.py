@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.hashing import vllm_chain
+from smetric_lmc.hashing import vllm_digests
 from smetric_lmc.mock_engine.kv_events import KVEventPublisher, block_removed, block_stored
-from smetric_lmc.sim.engine import Instance, SimRequest
+from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.profile import Profile
+from smetric_lmc.sim.request import SimRequest
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,10 @@ class Handle:
     """One request's side of the engine: the model's record plus what the HTTP handler awaits."""
 
     rid: str
-    token_ids: Sequence[int]
+    tokens: list[int]  # the prompt's, then the generated ones appended when the request ends
     sim: SimRequest
+    chain: np.ndarray  # vLLM block hashes of ``tokens``' full blocks
+    last_digest: bytes | None  # full digest of the last hashed block (continues the chain)
     queue: asyncio.Queue[tuple[str, int]] = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already handed to the stream
     cached_tokens: int = 0
@@ -74,8 +77,8 @@ class _Index:
 
 
 class _MockInstance(Instance):
-    """The simulator's engine with two hooks: removals block by block (as vLLM sends them) and the
-    request whose prefill completes (its tokens go into ``BlockStored``)."""
+    """The simulator's engine with three hooks: removals block by block (as vLLM sends them), and the
+    request whose prompt or generated blocks are being stored (their tokens go into ``BlockStored``)."""
 
     core: MockEngineCore
 
@@ -86,6 +89,13 @@ class _MockInstance(Instance):
         self.core._completing = r
         try:
             super()._prefill_done(r, t)
+        finally:
+            self.core._completing = None
+
+    def _keep_generated(self, r: SimRequest, t: float) -> None:
+        self.core._completing = r
+        try:
+            super()._keep_generated(r, t)
         finally:
             self.core._completing = None
 
@@ -117,12 +127,16 @@ class MockEngineCore:
         self.none_hash_seed = none_hash_seed
         self.publisher = publisher
         host = SimpleNamespace(
-            cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval)),
+            cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval), kv_load_mode="sync"),
             index=_Index(self),
+            gtier=None,  # a vLLM engine alone: no LMCache global tier
             push_segment=self._push_segment,
+            push_call=self._push_call,
             account=self._account,
+            account_busy=self._account_busy,
             on_prefill_done=self._on_prefill_done,
             on_finish=self._on_finish,
+            generated_blocks=self._generated_blocks,
         )
         self.inst = _MockInstance(host, instance_id, 0, 0, profile, block_size)  # type: ignore[arg-type]
         self.inst.core = self
@@ -154,6 +168,14 @@ class MockEngineCore:
         when = self._t0 + inst.seg_end / self.speed
         self._loop.call_at(when, self._segment_end, inst.seg_end, inst.version)
 
+    def _push_call(self, t: float, fn: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_at(self._t0 + t / self.speed, self._call, fn, t)
+
+    def _call(self, fn: Any, t: float) -> None:
+        fn(t)
+        self._flush()
+
     def _segment_end(self, t: float, version: int) -> None:
         if version != self.inst.version:
             return  # superseded by a cut; the model ignores it too
@@ -175,13 +197,12 @@ class MockEngineCore:
             raise RequestTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
-        blocks = np.asarray(
-            vllm_chain(token_ids, self.block_size, algo=self.hash_algo, none_hash_seed=self.none_hash_seed),
-            dtype=np.uint64)
+        digests = vllm_digests(token_ids, self.block_size, algo=self.hash_algo, none_hash_seed=self.none_hash_seed)
+        blocks = np.array([int.from_bytes(d[-8:], "big") for d in digests], dtype=np.uint64)
         rid = f"{self.instance_id}-{next(self._ids)}"
         now = self._now()
         r = SimRequest(rid, 0, None, 0, blocks, n, max_tokens, now)
-        h = Handle(rid, token_ids, r)
+        h = Handle(rid, list(token_ids), r, blocks, digests[-1] if digests else None)
         r.session = h
         self._handles[rid] = h
         self.inst.enqueue(r, now)
@@ -207,14 +228,32 @@ class MockEngineCore:
     def _account(self, pos: int, t: float, tokens: int) -> None:
         pass  # throughput is measured by clients; the model's windows are not needed live
 
-    def _stored(self, hashes: list[int], parent: int | None) -> None:
-        r = self._completing
-        assert r is not None, "blocks stored outside a prefill completion"
+    def _account_busy(self, pos: int, t0: float, t1: float) -> None:
+        pass
+
+    def _generated_blocks(self, r: SimRequest) -> np.ndarray:
+        """vLLM keeps the full blocks of prompt + generated tokens: the chain continued over the
+        tokens this engine generated (``output_text``'s bytes)."""
         h: Handle = r.session
         bs = self.block_size
-        first = r.n_blocks - len(hashes)
-        toks = h.token_ids[first * bs : r.n_blocks * bs]
-        self._events.append(block_stored(hashes, parent, list(toks), bs))
+        h.tokens += [97 + j % 26 for j in range(min(r.decoded, r.output))]
+        start = len(h.chain) * bs
+        more = vllm_digests(h.tokens[start:], bs, algo=self.hash_algo, parent=h.last_digest,
+                            none_hash_seed=self.none_hash_seed)
+        if more:
+            ext = np.array([int.from_bytes(d[-8:], "big") for d in more], dtype=np.uint64)
+            h.chain = np.concatenate([h.chain, ext])
+            h.last_digest = more[-1]
+        return h.chain
+
+    def _stored(self, hashes: list[int], parent: int | None) -> None:
+        r = self._completing
+        assert r is not None, "blocks stored outside a prefill or a completion"
+        h: Handle = r.session
+        bs = self.block_size
+        first = 0 if parent is None else int(np.flatnonzero(h.chain == np.uint64(parent))[0]) + 1
+        toks = h.tokens[first * bs : (first + len(hashes)) * bs]
+        self._events.append(block_stored(hashes, parent, toks, bs))
 
     def _removed(self, hashes: np.ndarray) -> None:
         self.counters.evicted_blocks += len(hashes)

@@ -143,7 +143,7 @@ class MockEngineServer:
         except (ValueError, BadRequest, RequestTooLong) as exc:
             return _error(400, str(exc))
         prefix = "chatcmpl" if chat else "cmpl"
-        ctx = _Reply(f"{prefix}-{uuid.uuid4().hex}", self.model, chat, len(ids))
+        ctx = _Reply(f"{prefix}-{uuid.uuid4().hex}", self.model, chat, len(ids), bool(body.get("return_token_ids")))
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -190,11 +190,12 @@ class MockEngineServer:
 class _Reply:
     """OpenAI response shapes for one request."""
 
-    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int, token_ids: bool = False) -> None:
         self.rid = rid
         self.model = model
         self.chat = chat
         self.prompt_tokens = prompt_tokens
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its tokens' ids
         self.created = int(time.time())
 
     def usage(self, n: int, cached: int) -> dict[str, Any]:
@@ -209,6 +210,8 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
             obj = "text_completion"
+        if self.token_ids and isinstance(text, str):
+            choice["token_ids"] = encode_text(text)
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
     def usage_chunk(self, n: int, cached: int) -> dict[str, Any]:
@@ -225,6 +228,8 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
             obj = "text_completion"
+        if self.token_ids:
+            choice["token_ids"] = encode_text(text)
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(n, cached)}
 

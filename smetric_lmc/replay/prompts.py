@@ -79,10 +79,12 @@ def prompt_tokens(
     return body[:n].tolist()
 
 
-def scale_workload(wl: Workload, scale: float) -> Workload:
+def scale_workload(wl: Workload, scale: float, output_scale: float | None = None) -> Workload:
     """The same sessions with every prompt (and its shared prefixes) ``scale`` times as long: what a
-    replay with ``context_scale`` sends, as a workload the simulator can run too."""
-    if scale == 1.0:
+    replay with ``context_scale`` sends, as a workload the simulator can run too. Outputs scale by
+    ``output_scale`` (default: ``scale``, so that an answer still fits in the next prompt)."""
+    out_scale = scale if output_scale is None else output_scale
+    if scale == 1.0 and out_scale == 1.0:
         return wl
     if not 0 < scale <= 1:
         raise ValueError("scale must be in (0, 1]")
@@ -93,6 +95,7 @@ def scale_workload(wl: Workload, scale: float) -> Workload:
         for r in s.requests:
             n = max(1, round(r.input_tokens * scale))
             ids = scaled_ids(r.block_ids, n // bs, scale)
-            reqs.append(TraceRequest(r.arrival, n, r.output_tokens, ids, r.think_time, r.kind, r.turn))
+            out = max(1, round(r.output_tokens * out_scale))
+            reqs.append(TraceRequest(r.arrival, n, out, ids, r.think_time, r.kind, r.turn))
         sessions.append(TraceSession(s.session_id, reqs, s.parent_id, s.start_offset))
     return Workload(f"{wl.name}@x{scale:g}", bs, sessions, dict(wl.meta))

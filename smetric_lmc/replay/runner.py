@@ -23,7 +23,7 @@ import aiohttp
 
 from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens
 from smetric_lmc.sim.cluster import chained_lcp, place_sessions
-from smetric_lmc.workload.model import TraceSession, Workload
+from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class ReplayConfig:
     tokens: TokenSpace = field(default_factory=TokenSpace)
     timeout_s: float = 600.0
     records: Path | None = None  # JSON lines, one per request
+    # Closed loop: a request that continues its predecessor resends the predecessor's prompt and the
+    # tokens the engine actually generated (vLLM's return_token_ids), as an agent does, so the answer's
+    # blocks can hit too; off: the recorded tokens stand in for the answer and never hit.
+    feedback: bool = True
 
     def __post_init__(self) -> None:
         for name in ("rate", "time_scale", "context_scale", "output_scale", "concurrency", "timeout_s"):
@@ -76,6 +80,7 @@ class Record:
     instance: str = ""  # X-SMetric-Instance (empty when the endpoint is an engine)
     reason: str = ""  # X-SMetric-Reason
     local_hit: int | None = None  # X-SMetric-Local-Hit: the controller's predicted cached tokens
+    answer_reused: int = 0  # tokens of the predecessor's generated answer resent in this prompt
     est_hit: int = 0  # sent as X-SMetric-Est-Hit: the prefix shared with the session's previous request
     policy: str = ""
 
@@ -93,6 +98,7 @@ class Replay:
         self._http: aiohttp.ClientSession | None = None
         self._out: Any = None
         self.placed_requests = 0
+        self._last_prompt: dict[int, list[int]] = {}
 
     # ---- run -------------------------------------------------------------------------------------
     async def run(self) -> list[Record]:
@@ -102,7 +108,7 @@ class Replay:
         for pid, kids in pl.children.items():
             for j, child, _ in kids:
                 self._children.setdefault((pid, j), []).append(child)
-        roots = {s.session_id for s, _ in pl.roots}
+        roots = {s.session_id for s, *_ in pl.roots}
         rel = self.wl.absolute_start()
         root_of = self.wl.root_of()
         self.placed_requests = sum(len(s.requests) for s in self.wl.sessions if root_of[s.session_id] in roots)
@@ -115,8 +121,8 @@ class Replay:
                 if cfg.max_model_len is None:
                     cfg.max_model_len = await self._served_max_len()
                 self._t0 = time.monotonic()
-                start_of = {s.session_id: t for s, t in pl.roots}
-                for s, t in pl.roots:
+                start_of = {s.session_id: t for s, t, *_ in pl.roots}
+                for s, t, *_ in pl.roots:
                     self._spawn(self._session(s, t))
                 if cfg.arrival == "open":
                     for kids in pl.children.values():
@@ -173,10 +179,14 @@ class Replay:
                 self._spawn(self._open_request(trace, idx, k, at))
             return
         await self._sleep_until(start)
+        sent: tuple[list[int], list[int]] | None = None  # the previous request's prompt and answer
         for k, tr in enumerate(trace.requests):
             if k:
                 await asyncio.sleep(min(max(0.0, tr.think_time), cfg.max_think_s) * cfg.time_scale)
-            await self._request(trace, idx, k)
+            prefix = None
+            if cfg.feedback and sent is not None and continues(trace.requests[k - 1], tr):
+                prefix = sent[0] + sent[1]
+            sent = await self._request(trace, idx, k, prefix)
             for child in self._children.get((trace.session_id, k), ()):
                 self._spawn(self._session(child, self._now()))
 
@@ -190,10 +200,16 @@ class Replay:
         return prompt_tokens(trace.requests[k], self.wl.block_size, self.cfg.tokens, scale=self.cfg.context_scale,
                              salt=(idx << 20) | k)
 
-    async def _request(self, trace: TraceSession, idx: int, k: int) -> None:
+    async def _request(self, trace: TraceSession, idx: int, k: int,
+                       prefix: list[int] | None = None) -> tuple[list[int], list[int]] | None:
+        """Send request ``k``; returns (prompt, generated ids) when it succeeded."""
         cfg = self.cfg
         tr = trace.requests[k]
         ids = self.prompt(trace, idx, k)
+        reused = 0
+        if prefix is not None and len(prefix) <= len(ids):
+            reused = len(prefix) - len(self._last_prompt.get(idx, ()))
+            ids = prefix + ids[len(prefix):]
         out = max(1, round(tr.output_tokens * cfg.output_scale))
         if cfg.max_output is not None:
             out = min(out, cfg.max_output)
@@ -202,24 +218,30 @@ class Replay:
         if tr.turn > 0 and k > 0:
             shared = chained_lcp(trace.requests[k - 1].block_ids, tr.block_ids) * self.wl.block_size
             rec.est_hit = min(len(ids), round(shared * cfg.context_scale))
+        rec.answer_reused = reused
         if cfg.max_model_len is not None and len(ids) + out > cfg.max_model_len:
             rec.rejected = True
             rec.error = f"longer than max_model_len {cfg.max_model_len}"
             rec.arrival = rec.finish = self._now()
             self._done(rec)
-            return
+            return None
         body = {"model": cfg.model, "prompt": ids, "max_tokens": out, "ignore_eos": True, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": cfg.feedback}
+        generated: list[int] = []
         async with self._sem:
             rec.arrival = self._now()
             try:
-                await self._send(body, rec)
+                await self._send(body, rec, generated)
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             rec.finish = self._now()
         self._done(rec)
+        if not rec.ok:
+            return None
+        self._last_prompt[idx] = ids
+        return ids, generated
 
-    async def _send(self, body: dict[str, Any], rec: Record) -> None:
+    async def _send(self, body: dict[str, Any], rec: Record, generated: list[int]) -> None:
         assert self._http is not None
         headers = {"X-SMetric-Turn": str(rec.turn), "X-SMetric-Est-Hit": str(rec.est_hit)}
         async with self._http.post(self.cfg.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
@@ -245,8 +267,11 @@ class Replay:
                 if "error" in obj or obj.get("object") == "error":
                     rec.error = f"stream error: {json.dumps(obj)[:300]}"
                     return
-                if any(c.get("text") for c in obj.get("choices") or ()) and rec.first_token != rec.first_token:
+                choices = obj.get("choices") or ()
+                if any(c.get("text") for c in choices) and rec.first_token != rec.first_token:
                     rec.first_token = self._now()
+                for c in choices:
+                    generated.extend(c.get("token_ids") or ())
                 usage = obj.get("usage")
                 if isinstance(usage, dict):
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -267,6 +292,12 @@ class Replay:
             log.warning("replay: session %d request %d failed: %s", rec.session, rec.request, rec.error)
         if self._progress is not None:
             self._progress(1)
+
+
+def continues(prev: TraceRequest, cur: TraceRequest) -> bool:
+    """The trace says ``cur``'s prompt is ``prev``'s prompt followed by more (its answer, then new input)."""
+    n = len(prev.block_ids)
+    return len(cur.block_ids) > n and (n == 0 or cur.block_ids[n - 1] == prev.block_ids[n - 1])
 
 
 def replay(workload: Workload, cfg: ReplayConfig, progress: Callable[[int], None] | None = None) -> list[Record]:

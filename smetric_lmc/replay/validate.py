@@ -63,11 +63,7 @@ def small_workload(sessions: int, turns: int, context_scale: float, output_scale
 
     wl = synthetic(sessions, seed=seed)
     roots = [TraceSession(s.session_id, s.requests[:turns]) for s in wl.sessions if s.parent_id is None]
-    wl = scale_workload(Workload(wl.name, wl.block_size, roots), context_scale)
-    for s in wl.sessions:
-        for r in s.requests:
-            r.output_tokens = max(1, round(r.output_tokens * output_scale))
-    return wl
+    return scale_workload(Workload(wl.name, wl.block_size, roots), context_scale, output_scale)
 
 
 def _path_overhead(gateway: str, cal: Calibration, n: int = 9) -> float:
