@@ -37,7 +37,7 @@ def test_replayed_answers_hit_vllm_decode_blocks(start_engines: Callable[..., li
     from test_replay import check_feedback
 
     (engine,) = start_engines(1)
-    wl = small_workload(sessions=2, turns=5, context_scale=0.02, output_scale=0.1, seed=4)
+    wl = small_workload(sessions=2, turns=6, context_scale=0.05, output_scale=0.05, seed=4)
     records = replay(wl, ReplayConfig(url=engine.http_url, rate=5.0, max_think_s=0.2, seed=1))
     assert all(r.ok for r in records if not r.rejected)
     assert check_feedback([r for r in records if not r.rejected], 32) >= 3
