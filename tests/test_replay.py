@@ -119,3 +119,34 @@ async def test_replay_resends_the_generated_answer_and_it_hits() -> None:
                                                 context_scale=0.1, output_scale=0.1)).run()
     assert all(r.ok for r in records)
     assert check_feedback(records, 32) >= 5
+
+
+def test_smetric_replay_command(tmp_path) -> None:
+    """The console command end to end against a mock engine process: tables, JSON summary, records."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready.json"
+    engine = subprocess.Popen([sys.executable, "-m", "smetric_lmc.cli", "mock-engine", "--speed", "200",
+                               "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        url = json.loads(ready.read_text())["instances"][0]["http_url"]
+        out = subprocess.run(
+            [sys.executable, "-m", "smetric_lmc.cli", "replay", "--url", url, "--sessions", "2", "--rate", "20",
+             "--time-scale", "0.0005", "--context-scale", "0.05", "--output-scale", "0.05", "--quiet", "--json",
+             "--records", str(tmp_path / "r.jsonl")], capture_output=True, text=True, timeout=120)
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| policy | TPS in SLO |" in out.stdout
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert summary["requests"] == len(rows) > 10 and summary["failed"] == 0
+    assert 0 < summary["hit_local"] < 1

@@ -45,7 +45,8 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         max_think_s=args.max_think_s, sessions=args.sessions, seed=args.seed, concurrency=args.concurrency,
         context_scale=args.context_scale, output_scale=args.output_scale, max_output=args.max_output,
         max_model_len=args.max_model_len, tokens=TokenSpace(args.vocab_size, args.token_low),
-        timeout_s=args.timeout_s, records=Path(args.records) if args.records else None)
+        timeout_s=args.timeout_s, records=Path(args.records) if args.records else None,
+        feedback=not args.no_feedback)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -83,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="think times / recorded offsets x this")
     p.add_argument("--max-think-s", type=float, default=600.0, help="clip recorded think times first")
     p.add_argument("--context-scale", type=float, default=1.0, help="prompt lengths x this (<= 1)")
-    p.add_argument("--output-scale", type=float, default=1.0, help="output lengths x this")
+    p.add_argument("--output-scale", type=float, default=1.0,
+                   help="output lengths x this (give it with --context-scale, so answers fit the next prompt)")
     p.add_argument("--max-output", type=int, default=None, help="cap max_tokens")
     p.add_argument("--max-model-len", type=int, default=None, help="skip (as rejected) longer requests")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight at most")
@@ -91,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-low", type=int, default=16, help="token ids start here (skip special ids)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit for one request")
     p.add_argument("--records", help="write one JSON line per request here")
+    p.add_argument("--no-feedback", action="store_true",
+                   help="closed loop: resend the recorded answer tokens instead of the generated ones")
     p.add_argument("--sim-config", help="SLO and TPS definitions (default: configs/sim.yaml)")
     p.add_argument("--label", help="row name in the table (default: the policy the gateway reports)")
     p.add_argument("--seed", type=int, default=0)
