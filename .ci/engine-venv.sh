@@ -22,6 +22,7 @@ venv="${SMETRIC_ENGINE_VENV:-$HOME/.cache/smetric/vllm-venv}"
 extras=(
   "lmcache==0.5.6"
   "nvtx"
+  "xxhash"  # vLLM's xxhash algorithms; tests/make_hash_vectors.py records them
 )
 
 if [[ ! -f "$lock" ]]; then

@@ -61,7 +61,8 @@ def percentiles_us(samples_s: list[float]) -> tuple[float, float]:
 def serve(args: argparse.Namespace, conn: Connection) -> None:
     from smetric_lmc.config import InstanceConfig, PolicyConfig
     from smetric_lmc.controller.metrics import ControllerMetrics
-    from smetric_lmc.controller.service import HashSettings, RouteCore, RouteService
+    from smetric_lmc.controller.service import RouteCore, RouteService
+    from smetric_lmc.hashing import HashSettings
     from smetric_lmc.index import TierIndex
     from smetric_lmc.load import LoadTracker
     from smetric_lmc.router import Router
@@ -162,7 +163,7 @@ async def run_pipelined(endpoint: str, chains: list[HashChain], args: argparse.N
 
 def ingest_rate(n_events: int) -> float | None:
     try:
-        from smetric_lmc.controller.vllm_events import ingest_benchmark
+        from vllm_payloads import ingest_benchmark
     except ImportError:
         return None
     from smetric_lmc.index import TierIndex

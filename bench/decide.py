@@ -3,9 +3,17 @@
 64 instances, 1 M indexed GPU blocks (16-token blocks), a 32k-token prompt given as hashes.
 Every instance holds a shared 2k-token system prompt plus its own sessions; queries are follow-ups
 of stored sessions (a long hit on one instance) and new sessions (only the shared prefix hits).
-The timed unit is ``Router.route``: lookup + policy + load accounting, exactly what the controller
-runs per request. Each query's hashes are msgpack-decoded just before its timed call, as the
-controller receives them off the wire (so they are fresh objects, not ones cached since setup). Also: token ids -> fast-chain hashes for 32k tokens, and bytes per indexed block.
+The timed unit is ``Router.route``: lookup + policy + load accounting + recording the prompt as
+pending, exactly what the controller runs per request. Each query's hashes are msgpack-decoded
+just before its timed call, as the controller receives them off the wire. Also: token ids ->
+fast-chain hashes for 32k tokens, and bytes per indexed block.
+
+Blocks are stored as the live path stores them, with an engine hash each (so the engine-hash
+alias map is part of the memory figure). Memory is the RSS delta of filling the index, after
+``gc.collect()``; the benchmark's own copy of the sessions is built before the first reading.
+
+    python bench/decide.py                                   # 64 instances, 1 M blocks
+    python bench/decide.py --instances 1024 --blocks 10000000
 
 Prints human-readable figures, then one JSON object on the last line.
 """
@@ -19,8 +27,10 @@ import random
 import resource
 import statistics
 import time
+from array import array
 
 import msgspec
+from tqdm import tqdm
 
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.hashing import fast_chain
@@ -38,24 +48,36 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def populate(ix: TierIndex, n_instances: int, n_blocks: int, rng: random.Random) -> list[tuple[str, list[int]]]:
-    """Fill the index; returns (instance, chain) of every stored session."""
+Session = tuple[str, array]
+
+
+def make_sessions(n_instances: int, n_blocks: int, rng: random.Random) -> tuple[list[int], list[Session]]:
+    """The shared system prompt's hashes and every (instance, own blocks) session."""
     shared = [rng.getrandbits(64) for _ in range(2048 // BS)]
-    sessions: list[tuple[str, list[int]]] = []
+    sessions: list[Session] = []
     per_instance = n_blocks // n_instances
-    for k in range(n_instances):
+    for k in tqdm(range(n_instances), desc="sessions", unit="inst", leave=False, disable=None):
         inst = f"inst{k:02d}"
-        ix.gpu_stored_hashes(inst, shared)
         held = len(shared)
         while held < per_instance:
             length = min(rng.randint(64, PROMPT // BS - len(shared)), per_instance - held)
-            own = [rng.getrandbits(64) for _ in range(length)]
-            ix.gpu_stored_hashes(inst, own, shared[-1])
-            # the LMCache CPU tier holds the same sessions at 256-token chunks
-            ix.lmcache_admit(inst, own[:: CS // BS])
-            sessions.append((inst, shared + own))
+            sessions.append((inst, array("Q", [rng.getrandbits(64) for _ in range(length)])))
             held += length
-    return sessions
+    return shared, sessions
+
+
+def fill(ix: TierIndex, shared: list[int], sessions: list[Session], n_instances: int, lmcache: bool) -> None:
+    """Store what the engines would report (GPU tier, with engine hashes), or the LMCache tier."""
+    engine = random.Random(1)
+    if not lmcache:
+        shared_eng = [engine.getrandbits(64) for _ in shared]
+        for k in range(n_instances):
+            ix.gpu_stored_hashes(f"inst{k:02d}", shared, engine_hashes=shared_eng)
+    for inst, own in tqdm(sessions, desc="lmcache" if lmcache else "gpu", unit="session", leave=False, disable=None):
+        if lmcache:  # the LMCache CPU tier holds the same sessions at 256-token chunks
+            ix.lmcache_admit(inst, own[:: CS // BS])
+        else:
+            ix.gpu_stored_hashes(inst, own, shared[-1], engine_hashes=[engine.getrandbits(64) for _ in own])
 
 
 def time_us(fn, queries) -> list[float]:
@@ -86,26 +108,34 @@ def main() -> None:
     ix = TierIndex(BS, CS)
     for k in range(args.instances):
         ix.register_instance(f"inst{k:02d}")
+    shared, sessions = make_sessions(args.instances, args.blocks, rng)
     gc.collect()
     before = rss_mb()
     t0 = time.perf_counter()
-    sessions = populate(ix, args.instances, args.blocks, rng)
+    fill(ix, shared, sessions, args.instances, lmcache=False)
     fill_s = time.perf_counter() - t0
     gc.collect()
-    per_block = (rss_mb() - before) * 2**20 / max(1, ix.sizes()["gpu_nodes"])
-    print(f"index: {ix.sizes()} filled in {fill_s:.1f} s, ~{per_block:.0f} bytes per indexed block (RSS delta, "
-          "including the LMCache tier entries)")
+    gpu_mb = rss_mb() - before
+    fill(ix, shared, sessions, args.instances, lmcache=True)
+    gc.collect()
+    lmc_mb = rss_mb() - before - gpu_mb
+    sizes = ix.sizes()
+    per_block = gpu_mb * 2**20 / max(1, sizes["gpu_nodes"])
+    print(f"index: {sizes}; GPU tier filled in {fill_s:.1f} s ({sizes['gpu_nodes'] / fill_s:,.0f} blocks/s), "
+          f"{per_block:.0f} bytes per GPU block (RSS delta, engine-hash aliases included); LMCache tier "
+          f"{lmc_mb * 2**20 / max(1, sizes['lmcache_chunks']):.0f} bytes per chunk")
 
     router = Router(ix, LoadTracker(), PolicyConfig(name="smetric"))
     n_blocks = PROMPT // BS
     queries = []
     for q in range(args.queries):
         if q % 4 == 3:  # a new session: only the shared system prompt hits
-            chain = sessions[0][1][: 2048 // BS] + [rng.getrandbits(64) for _ in range(n_blocks - 2048 // BS)]
+            chain = shared + [rng.getrandbits(64) for _ in range(n_blocks - len(shared))]
             turn = 0
         else:  # a follow-up of a stored session, grown to 32k tokens
-            inst, chain = rng.choice(sessions)
-            chain = chain + [rng.getrandbits(64) for _ in range(n_blocks - len(chain))]
+            _, own = rng.choice(sessions)
+            chain = shared + own.tolist()
+            chain += [rng.getrandbits(64) for _ in range(n_blocks - len(chain))]
             turn = 3
         queries.append((f"q{q}", msgspec.msgpack.encode(chain), msgspec.msgpack.encode(chain[:: CS // BS]), turn,
                         (len(chain) - 8) * BS))
@@ -124,6 +154,7 @@ def main() -> None:
     time_us(gpu_only, queries[:200])  # warm up
     t_gpu = time_us(gpu_only, queries)
     t_all = time_us(all_tiers, queries)
+    t_lookup = time_us(lambda q: ix.lookup(q[1], q[2]).local_hit_tokens(), queries)  # the index's share
     tokens = [rng.randrange(150_000) for _ in range(PROMPT)]
     t_hash = []
     for _ in range(200):
@@ -134,15 +165,21 @@ def main() -> None:
 
     print(f"route decision, GPU tier (2048 blocks/prompt): p50 {pct(t_gpu, 50):.1f} us, p99 {pct(t_gpu, 99):.1f} us")
     print(f"route decision, GPU + LMCache + global tiers:  p50 {pct(t_all, 50):.1f} us, p99 {pct(t_all, 99):.1f} us")
+    print(f"  of which index lookup (all tiers):           p50 {pct(t_lookup, 50):.1f} us, p99 {pct(t_lookup, 99):.1f} us")
     print(f"token ids -> fast hashes, 32k tokens: median {statistics.median(t_hash):.3f} ms")
-    print("targets: decide p50 <= 30 us, p99 <= 100 us; hashing <= 1 ms")
+    print("targets: decide p50 <= 30 us, p99 <= 100 us; hashing <= 1 ms; <= 120 bytes per block")
     print(json.dumps({
         "decide_p50_us": round(pct(t_all, 50), 2),
         "decide_p99_us": round(pct(t_all, 99), 2),
         "decide_gpu_only_p50_us": round(pct(t_gpu, 50), 2),
         "decide_gpu_only_p99_us": round(pct(t_gpu, 99), 2),
+        "lookup_p50_us": round(pct(t_lookup, 50), 2),
+        "lookup_p99_us": round(pct(t_lookup, 99), 2),
         "hash_32k_ms": round(statistics.median(t_hash), 4),
         "bytes_per_block": round(per_block),
+        "fill_blocks_per_s": round(sizes["gpu_nodes"] / fill_s),
+        "instances": args.instances,
+        "gpu_blocks": sizes["gpu_nodes"],
     }))
 
 

@@ -5,11 +5,19 @@ event subscriber per instance; the LMCache worker server; the global-tier adapte
 Mooncake); the engine-metrics poller; the route service; the Prometheus/healthz endpoint.
 
 Liveness: an instance is routable while it shows signs of life (KV events, LMCache worker
-messages, successful engine-metrics polls). One silent for ``load.instance_timeout_s`` is dropped
-from the index and the load tracker, so routing skips it; its next sign of life registers it again
-and its index rebuilds from the events that follow. The rule is only enforced when a source
-that speaks even while the engine is idle exists (engine-metrics polling or LMCache heartbeats),
-since an idle engine emits no KV events and would otherwise be dropped for being idle.
+messages, successful engine-metrics polls). One silent for ``load.instance_timeout_s`` leaves
+routing (it is no longer a candidate for any request) and its in-flight load is forgotten, but its
+index entries are kept and marked stale (``TierIndex.mark_stale``): a silent engine usually still
+holds its KV cache, and dropping the entries would make every session on it look evicted when it
+returns. Its next sign of life makes it routable again; its stale entries still count as hits
+(reported stale in each lookup) until the engine's events store them again, remove them, clear the
+instance (``AllBlocksCleared``, an engine restart) or the index ages them out. The rule is only
+enforced when a source that speaks even while the engine is idle exists (engine-metrics polling or
+LMCache heartbeats), since an idle engine emits no KV events and would otherwise leave routing for
+being idle.
+
+Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
+the index failed on, marks the instance's entries stale in the same way, never clears them.
 
 Hot reload: the ``policy`` section is re-read when the config file changes (mtime polled) or on
 SIGHUP; a bad file is logged and ignored; other sections need a restart.
@@ -32,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import Config, ConfigError, load_config
-from smetric_lmc.hashing import fast_root
+from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
@@ -46,7 +54,7 @@ from .metrics import (
     StateCollector,
     SubscriberState,
 )
-from .service import HashSettings, RouteCore, RouteService
+from .service import RouteCore, RouteService
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,10 @@ class LiveSink:
     def gpu_cleared(self, instance_id: str) -> None:
         self._seen(instance_id)
         self._index.gpu_cleared(instance_id)
+
+    def mark_stale(self, instance_id: str) -> None:
+        self._seen(instance_id)
+        self._index.mark_stale(instance_id)
 
     def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None:
         self._seen(instance_id)
@@ -107,21 +119,14 @@ class ControllerApp:
         self.reload_poll_s = reload_poll_s
         self.enable_metrics_http = enable_metrics_http
         self.ctx = zmq.asyncio.Context()
-        h = cfg.hashing
-        self.index = TierIndex(h.block_size, h.lmcache_chunk_size, fast_root=fast_root(h.fast_namespace))
-        self.load = LoadTracker()
+        self.hashing = HashSettings.from_config(cfg)
+        hs = self.hashing
+        self.index = TierIndex(hs.block_size, hs.chunk_size, fast_root=hs.fast_root)
+        self.load = LoadTracker(expire_s=cfg.load.lost_done_grace_s or None)
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
         self.metrics = ControllerMetrics()
         self.metrics.add_collector(StateCollector(self.snapshot))
-        self.hashing = HashSettings(
-            block_size=h.block_size,
-            fast_root=self.index.fast_root,
-            chunk_size=h.lmcache_chunk_size,
-            lmcache_algo=h.lmcache_hash,
-            lmcache_root=h.lmcache_root_value(),
-            want_chunks=cfg.lmcache.enabled or cfg.global_store.kind != "none",
-        )
         self.core = RouteCore(
             self.index,
             self.load,
@@ -132,6 +137,7 @@ class ControllerApp:
             metrics=self.metrics,
             stats_fn=self._extra_stats,
             global_store_fn=self.global_store_state,
+            limits=cfg.limits,
         )
         srv = cfg.server
         self.service = RouteService(
@@ -139,6 +145,7 @@ class ControllerApp:
             srv.route_url,
             curve_secret_key=srv.curve_secret_key,
             curve_public_key=srv.curve_public_key,
+            curve_client_keys=srv.curve_client_keys or None,
             ctx=self.ctx,
         )
         self.sink = LiveSink(self.index, self._seen)
@@ -238,16 +245,22 @@ class ControllerApp:
     def _spawn(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
         self._tasks.append(asyncio.create_task(self._supervise(name, run), name=name))
 
+    #: A part that ran this long before crashing had recovered: its restart backoff starts over.
+    RECOVERED_AFTER_S = 30.0
+
     async def _supervise(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:
         # A part that crashes is restarted: the controller must outlive any one peer's damage.
         backoff = 0.5
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 await run()
                 return
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if time.monotonic() - started > self.RECOVERED_AFTER_S:  # it had recovered: start over
+                    backoff = 0.5
                 log.exception("controller: part crashed part=%s restart_in_s=%.1f", name, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -260,6 +273,7 @@ class ControllerApp:
             if any(i.kv_events for i in self.cfg.instances):
                 log.error("vLLM KV events unavailable (%s): routing without the GPU tier", exc)
             return
+        lim = self.cfg.limits
         for inst in self.cfg.instances:
             if not inst.kv_events:
                 continue
@@ -271,6 +285,11 @@ class ControllerApp:
                     topic=inst.kv_events_topic,
                     replay_endpoint=inst.replay,
                     bind=inst.kv_events_bind,
+                    replay_timeout_s=lim.replay_frame_timeout_s,
+                    replay_deadline_s=lim.replay_deadline_s,
+                    max_message_bytes=lim.kv_max_frame_bytes,
+                    max_events_per_batch=lim.kv_max_events_per_batch,
+                    max_blocks_per_event=lim.kv_max_blocks_per_event,
                     ctx=self.ctx,
                 )
             except zmq.ZMQError as exc:
@@ -290,6 +309,7 @@ class ControllerApp:
             log.error("LMCache worker server unavailable (%s): routing without the LMCache tier", exc)
             return
         ids = {(i.lmcache_instance_id or i.id): i.id for i in self.cfg.instances}
+        lim = self.cfg.limits
         server = LMCacheWorkerServer(
             self.sink,
             pull_url=lc.pull_url,
@@ -298,6 +318,11 @@ class ControllerApp:
             upstream_pull_url=lc.upstream_pull_url,
             upstream_reply_url=lc.upstream_reply_url,
             resolve_instance=lambda lmcache_id, _worker_id: ids.get(lmcache_id),
+            max_frame_bytes=lim.lmcache_max_frame_bytes,
+            max_workers=lim.lmcache_max_workers,
+            max_sources_per_instance=lim.lmcache_max_sources_per_instance,
+            worker_timeout_s=lim.lmcache_worker_timeout_s,
+            max_sync_batches=lim.lmcache_max_sync_batches,
         )
         await server.start()
         self.lmcache_server = server
@@ -349,6 +374,7 @@ class ControllerApp:
         self.load.add_instance(iid)
         self._routable.add(iid)
         self._last_seen[iid] = time.monotonic()
+        self.core.set_silent(self._known - self._routable)
 
     def _seen(self, iid: str) -> None:
         if iid not in self._known:
@@ -363,7 +389,9 @@ class ControllerApp:
             self._seen(iid)
 
     def check_liveness(self, now: float | None = None) -> list[str]:
-        """Drop instances silent for longer than the timeout; returns the ids dropped."""
+        """Take instances silent for longer than the timeout out of routing; returns their ids.
+
+        Their index entries stay, marked stale (see the module docstring)."""
         now = time.monotonic() if now is None else now
         timeout = self.cfg.load.instance_timeout_s
         dropped = []
@@ -371,11 +399,13 @@ class ControllerApp:
             silent = now - self._last_seen.get(iid, now)
             if silent > timeout:
                 self._routable.discard(iid)
-                self.index.drop_instance(iid)
+                self.index.mark_stale(iid)
                 self.load.remove_instance(iid)
                 dropped.append(iid)
-                log.warning("instance silent: leaves routing instance=%s silent_s=%.1f timeout_s=%.1f",
-                            iid, silent, timeout)
+                log.warning("instance silent: leaves routing, index kept as stale instance=%s silent_s=%.1f "
+                            "timeout_s=%.1f", iid, silent, timeout)
+        if dropped:
+            self.core.set_silent(self._known - self._routable)
         return dropped
 
     async def _liveness_loop(self) -> None:
@@ -462,7 +492,7 @@ class ControllerApp:
             "uptime_s": round(now - self._started, 3) if self._started else 0.0,
             "pd_mode": self.cfg.pd_mode,
             "global_store": self.global_store_state(),
-            "route_socket": dict(self.service.counters),
+            "route_socket": {**self.service.counters, **self.service.curve_counts},
             "reloads": dict(self.reloads),
             "liveness": {
                 iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3)}

@@ -2,7 +2,8 @@
 
 Every ``interval_s`` each instance's ``GET <http>/metrics`` is read and
 ``vllm:num_requests_running + vllm:num_requests_waiting`` (summed over engines / data-parallel
-ranks) goes to ``LoadTracker.reconcile``. A poll that fails (connection refused, timeout,
+ranks) goes to ``LoadTracker.reconcile``, with the waiting count on its own as the fallback for
+prefill progress (requests the engine has not scheduled have not been prefilled). A poll that fails (connection refused, timeout,
 non-200, unparsable text, or neither gauge present) is counted and marks the instance's engine
 metrics unhealthy; the controller's liveness rule decides what that means for routing.
 """
@@ -34,24 +35,24 @@ class EngineMetricsError(ValueError):
     """The body is not Prometheus text carrying vLLM's request gauges."""
 
 
-def parse_engine_requests(text: str) -> int:
-    """Running + waiting requests in a vLLM ``/metrics`` body."""
-    total = 0.0
-    found = False
+def parse_engine_counts(text: str) -> tuple[int, int | None]:
+    """(running + waiting, waiting) requests in a vLLM ``/metrics`` body; waiting None if absent."""
+    totals: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in (RUNNING, WAITING):
                 for sample in family.samples:
                     if sample.name == family.name:
-                        total += sample.value
-                        found = True
+                        totals[family.name] = totals.get(family.name, 0.0) + sample.value
     except (ValueError, TypeError, IndexError) as exc:  # the parser's ways of saying "not Prometheus text"
         raise EngineMetricsError(f"unparsable metrics: {exc}") from None
-    if not found:
+    if not totals:
         raise EngineMetricsError(f"neither {RUNNING} nor {WAITING} present")
-    if total != total or total < 0:  # NaN or negative: an engine would never report that
-        raise EngineMetricsError(f"invalid request count {total}")
-    return int(round(total))
+    for v in totals.values():
+        if v != v or v < 0:  # NaN or negative: an engine would never report that
+            raise EngineMetricsError(f"invalid request count {v}")
+    waiting = totals.get(WAITING)
+    return int(round(sum(totals.values()))), None if waiting is None else int(round(waiting))
 
 
 @dataclass(slots=True)
@@ -117,7 +118,7 @@ class EngineMetricsPoller:
         st = self.state[instance_id]
         st.polls += 1
         try:
-            count = await self._fetch(url)
+            count, waiting = await self._fetch(url)
         except (aiohttp.ClientError, asyncio.TimeoutError, EngineMetricsError, UnicodeDecodeError) as exc:
             self._failed(instance_id, st, f"{type(exc).__name__}: {exc}")
             return
@@ -131,14 +132,14 @@ class EngineMetricsPoller:
         st.consecutive_failures = 0
         st.engine_requests = count
         st.last_ok = time.monotonic()
-        healed = self.load.reconcile(instance_id, count, grace_s=self.grace_s)
+        healed = self.load.reconcile(instance_id, count, grace_s=self.grace_s, engine_waiting=waiting)
         if healed:
             st.healed += healed
             log.info("engine metrics: healed lost done reports instance=%s released=%d engine_requests=%d",
                      instance_id, healed, count)
         self._notify(instance_id, True)
 
-    async def _fetch(self, url: str) -> int:
+    async def _fetch(self, url: str) -> tuple[int, int | None]:
         assert self._session is not None
         async with self._session.get(url) as resp:
             if resp.status != 200:
@@ -146,7 +147,7 @@ class EngineMetricsPoller:
             body = await resp.content.read(MAX_BODY_BYTES + 1)
             if len(body) > MAX_BODY_BYTES:
                 raise EngineMetricsError(f"body larger than {MAX_BODY_BYTES} bytes")
-        return parse_engine_requests(body.decode("utf-8"))
+        return parse_engine_counts(body.decode("utf-8"))
 
     def _failed(self, instance_id: str, st: PollState, error: str) -> None:
         st.failures += 1

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from smetric_lmc.lmcache_keys import ChunkPresence, GlobalTierSink
+from smetric_lmc.controller.lmcache_keys import ChunkPresence, GlobalTierSink
 
 Transition = Literal["stored", "removed"]
 

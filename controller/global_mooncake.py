@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.controller.global_common import GlobalTierView, TransitionBatch
+from smetric_lmc.controller.lmcache_keys import BARE_SUFFIXES, GlobalTierSink
 from smetric_lmc.controller.tasks import cancel_and_wait
-from smetric_lmc.lmcache_keys import BARE_SUFFIXES, GlobalTierSink
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from smetric_lmc.controller.global_common import GlobalTierView, Transition, TransitionBatch
+from smetric_lmc.controller.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, GlobalTierSink
 from smetric_lmc.controller.tasks import cancel_and_wait
-from smetric_lmc.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, GlobalTierSink
 
 log = logging.getLogger(__name__)
 

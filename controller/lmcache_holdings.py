@@ -7,6 +7,10 @@ from collections.abc import Callable, Iterable
 Slot = tuple[str, int, str]  # (lmcache instance id, worker id, location)
 
 
+class SlotsExhausted(ValueError):
+    """An instance already has its maximum number of (worker, location) sources."""
+
+
 class Holdings:
     """Which (worker, location) sources of one instance hold each chunk.
 
@@ -15,25 +19,36 @@ class Holdings:
     not hide a copy still on disk and one rank re-registering does not wipe the other ranks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_slots: int = 256) -> None:
         self.bits: dict[Slot, int] = {}
         self.chunks: dict[int, int] = {}
+        self.max_slots = max_slots
+        # Bits of dropped slots, reused first so masks stay as narrow as the live sources.
+        self._free: list[int] = []
+        self._next = 1
 
-    def bit(self, slot: Slot) -> int:
+    def bit(self, slot: Slot) -> int | None:
+        """The slot's bit, allocated in O(1); None when ``max_slots`` sources already feed this instance."""
         b = self.bits.get(slot)
         if b is None:
-            used = 0
-            for v in self.bits.values():
-                used |= v
-            b = 1
-            while b & used:
-                b <<= 1
+            if self._free:
+                b = self._free.pop()
+            elif len(self.bits) < self.max_slots:
+                b = self._next
+                self._next <<= 1
+            else:
+                return None
             self.bits[slot] = b
         return b
 
     def apply(self, slot: Slot, ops: Iterable[tuple[bool, int]]) -> tuple[list[int], list[int]]:
-        """Apply (is_admit, key) ops in order; return the instance-level (admitted, evicted)."""
+        """Apply (is_admit, key) ops in order; return the instance-level (admitted, evicted).
+
+        Raises ``SlotsExhausted`` when the slot is new and the instance has no bit left for it.
+        """
         b = self.bit(slot)
+        if b is None:
+            raise SlotsExhausted(f"more than {self.max_slots} LMCache sources for one instance")
         chunks = self.chunks
         before: dict[int, int] = {}
         for is_admit, key in ops:
@@ -56,7 +71,9 @@ class Holdings:
         """Forget every source matching ``match``; return the chunks the instance no longer holds."""
         mask = 0
         for slot in [s for s in self.bits if match(s)]:
-            mask |= self.bits.pop(slot)
+            b = self.bits.pop(slot)
+            self._free.append(b)
+            mask |= b
         if not mask:
             return []
         gone: list[int] = []

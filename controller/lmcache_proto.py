@@ -275,14 +275,8 @@ class ProtocolError(ValueError):
         self.lmcache_type = lmcache_type
 
 
-class _TagOnly(msgspec.Struct):
-    type: str
-
-
 _mp_decoder = msgspec.msgpack.Decoder(AnyMsg)
 _json_decoder = msgspec.json.Decoder(AnyMsg)
-_mp_tag_decoder = msgspec.msgpack.Decoder(_TagOnly)
-_json_tag_decoder = msgspec.json.Decoder(_TagOnly)
 _mp_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 
@@ -296,23 +290,31 @@ def _is_json(frame: bytes) -> bool:
 def decode(frame: bytes | bytearray | memoryview) -> AnyMsg:
     """Decode one frame (msgpack, or JSON if it starts with ``{``) into a typed message.
 
-    Raises ProtocolError (never anything else) for garbage, unknown tags or wrong field types.
+    Raises ProtocolError (never anything else) for garbage, unknown tags, wrong field types or
+    nesting deeper than the interpreter's recursion limit. A rejected frame is not decoded again:
+    the unknown tag is read from msgspec's own error.
     """
     data = bytes(frame)
-    as_json = _is_json(data)
     try:
-        return _json_decoder.decode(data) if as_json else _mp_decoder.decode(data)
+        return _json_decoder.decode(data) if _is_json(data) else _mp_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         first_error = str(exc)
+    except RecursionError:
+        raise ProtocolError("undecodable frame: nesting too deep") from None
     except Exception as exc:  # msgspec never raises others today; a peer must not crash us anyway
         raise ProtocolError(f"undecodable frame: {exc!r}") from None
-    try:
-        tag = (_json_tag_decoder if as_json else _mp_tag_decoder).decode(data).type
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        tag = None
+    tag = _unknown_tag(first_error)
     if tag in _OTHER_LMCACHE_CLASSES:
         raise ProtocolError(unknown_type_error(tag), lmcache_type=tag)
     raise ProtocolError(first_error)
+
+
+def _unknown_tag(error: str) -> str | None:
+    # msgspec: "Invalid value 'ClearMsg' - at `$.type`"
+    head, sep, _ = error.rpartition("' - at `$.type`")
+    if not sep or not head.startswith("Invalid value '"):
+        return None
+    return head[len("Invalid value '"):]
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.controller import lmcache_proto as P
-from smetric_lmc.controller.lmcache_holdings import Holdings
+from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
 from smetric_lmc.controller.lmcache_upstream import Upstream
 
 __all__ = ["LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
@@ -75,6 +75,11 @@ class WorkerInfo:
 
 
 _SYNCING, _COMPLETED, _FAILED = "syncing", "completed", "failed"
+#: Messages handled per socket before yielding to the other tasks on the loop.
+YIELD_EVERY = 64
+#: Missing full-sync batches reported per status reply (the worker resends them and asks again).
+MISSING_WINDOW = 4096
+_FULL = "controller knows too many LMCache workers (limits.lmcache_max_workers)"
 
 
 @dataclass
@@ -84,6 +89,7 @@ class _Sync:
     expected_batches: int
     state: str = _SYNCING
     batches: set[int] = field(default_factory=set)
+    first_missing: int = 0  # every batch below it arrived
     keys_received: int = 0
     last_activity: float = field(default_factory=time.monotonic)
 
@@ -124,6 +130,10 @@ class LMCacheWorkerServer:
         full_sync_completion_threshold: float = 0.8,
         full_sync_timeout_s: float = 300.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_workers: int = 4096,
+        max_sources_per_instance: int = 256,
+        worker_timeout_s: float = 300.0,
+        max_sync_batches: int = 100_000,
         upstream_timeout_s: float = 2.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -137,6 +147,11 @@ class LMCacheWorkerServer:
         self._threshold = full_sync_completion_threshold
         self._sync_timeout = full_sync_timeout_s
         self._max_frame = max_frame_bytes
+        self._max_workers = max_workers
+        self._max_sources = max_sources_per_instance
+        self._worker_timeout = worker_timeout_s
+        self._max_sync_batches = max_sync_batches
+        self._last_sweep = 0.0
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._upstream = (
@@ -148,6 +163,7 @@ class LMCacheWorkerServer:
         self._endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._workers: dict[tuple[str, int], _Worker] = {}
+        self._counts: dict[str | None, int] = {}  # workers per instance id (None: unmapped)
         self._holdings: dict[str, Holdings] = {}
         self._stats: dict[str, int] = dict.fromkeys(
             (
@@ -157,7 +173,7 @@ class LMCacheWorkerServer:
                 "registers", "deregisters", "heartbeats", "unknown_heartbeats",
                 "full_sync_started", "full_sync_rejected", "full_sync_completed",
                 "full_sync_stray", "p2p_lookups", "legacy_single_ops",
-                "send_errors",
+                "send_errors", "workers_refused", "workers_expired", "sources_refused",
             ),
             0,
         )
@@ -177,6 +193,7 @@ class LMCacheWorkerServer:
         self._tasks.append(asyncio.create_task(self._router_loop("reply"), name="lmcache-reply"))
         if "heartbeat" in self._socks:
             self._tasks.append(asyncio.create_task(self._router_loop("heartbeat"), name="lmcache-hb"))
+        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="lmcache-sweep"))
         log.info("LMCache worker endpoint up: %s", self._endpoints)
 
     async def close(self) -> None:
@@ -246,7 +263,13 @@ class LMCacheWorkerServer:
     async def _receive(self, name: str, label: str) -> AsyncIterator[list[bytes]]:
         """Messages from socket ``name`` until the server closes; receive errors are logged and skipped."""
         sock = self._socks[name]
+        n = 0
         while True:
+            n += 1
+            if n % YIELD_EVERY == 0:
+                # A queued message is returned without a trip through the event loop: a backlog
+                # would otherwise hold the loop (and every other socket) until it is drained.
+                await asyncio.sleep(0)
             try:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError as exc:
@@ -361,20 +384,46 @@ class LMCacheWorkerServer:
     # ---- worker registry ----
 
     def _worker(self, lmc_id: str, worker_id: int, *, create: bool = True) -> _Worker | None:
+        """The known worker (created if ``create``); None when unknown or its share is full.
+
+        Workers of a configured instance are capped per instance, unmapped ones (ids nothing
+        resolves) all together, so ghosts cannot lock out the real workers.
+        """
         key = (lmc_id, worker_id)
         w = self._workers.get(key)
         if w is None and create:
-            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id)
+            iid = self._resolve_id(lmc_id, worker_id)
+            cap = self._max_workers if iid is None else self._max_sources
+            if self._counts.get(iid, 0) >= cap and time.monotonic() - self._last_sweep >= 1.0:
+                self.sweep()  # full: forget the silent ones (at most once a second, O(workers))
+            if self._counts.get(iid, 0) >= cap:
+                self._stats["workers_refused"] += 1
+                log.debug("LMCache worker %s/%s refused: %d known for instance %s", lmc_id, worker_id,
+                          self._counts.get(iid, 0), iid)
+                return None
+            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id, instance_id=iid)
+            self._counts[iid] = self._counts.get(iid, 0) + 1
         if w is not None:
             w.last_seen = time.time()
-            if w.instance_id is None:
-                try:
-                    w.instance_id = self._resolve(lmc_id, worker_id)
-                except Exception:
-                    self._stats["internal_errors"] += 1
-                    log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
             if w.instance_id is not None:
                 self._sink.lmcache_worker_seen(w.instance_id)
+        return w
+
+    def _resolve_id(self, lmc_id: str, worker_id: int) -> str | None:
+        try:
+            return self._resolve(lmc_id, worker_id)
+        except Exception:
+            self._stats["internal_errors"] += 1
+            log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
+            return None
+
+    def _forget(self, key: tuple[str, int]) -> _Worker | None:
+        w = self._workers.pop(key, None)
+        if w is not None:
+            self._counts[w.instance_id] -= 1
+            self._clear_sources(w, None)
+            if self._upstream is not None:
+                self._upstream.drop_worker(key)
         return w
 
     def _set_addr(self, w: _Worker, msg: P.RegisterMsg | P.HeartbeatMsg) -> None:
@@ -382,10 +431,11 @@ class LMCacheWorkerServer:
         w.registered = True
         w.registered_at = time.time()
 
-    def _on_register(self, msg: P.RegisterMsg) -> P.RegisterRetMsg:
+    def _on_register(self, msg: P.RegisterMsg) -> P.RegisterRetMsg | P.ErrorMsg:
         self._stats["registers"] += 1
         w = self._worker(msg.instance_id, msg.worker_id)
-        assert w is not None
+        if w is None:
+            return P.ErrorMsg(error=_FULL)
         # A RegisterMsg comes from a (re)started worker: whatever it reported before is gone.
         self._set_addr(w, msg)
         w.sync = None
@@ -399,17 +449,13 @@ class LMCacheWorkerServer:
 
     def _on_deregister(self, msg: P.DeRegisterMsg) -> None:
         self._stats["deregisters"] += 1
-        w = self._workers.pop((msg.instance_id, msg.worker_id), None)
-        if w is None:
-            return
-        self._clear_sources(w, None)
-        if self._upstream is not None:
-            self._upstream.drop_worker((msg.instance_id, msg.worker_id))
+        self._forget((msg.instance_id, msg.worker_id))
 
-    def _on_heartbeat(self, msg: P.HeartbeatMsg) -> P.HeartbeatRetMsg:
+    def _on_heartbeat(self, msg: P.HeartbeatMsg) -> P.HeartbeatRetMsg | P.ErrorMsg:
         self._stats["heartbeats"] += 1
         w = self._worker(msg.instance_id, msg.worker_id)
-        assert w is not None
+        if w is None:
+            return P.ErrorMsg(error=_FULL)
         w.last_heartbeat = time.time()
         commands: list[P.HeartbeatCommand] = []
         if not w.registered:
@@ -430,6 +476,34 @@ class LMCacheWorkerServer:
                 commands.extend(wanted)
         return P.HeartbeatRetMsg(commands=commands)
 
+    def _expired(self, w: _Worker, cutoff: float) -> bool:
+        # Workers mapped to an instance stay while heartbeats are off (LMCache's default):
+        # silence then says nothing, and their sources are bounded per instance anyway.
+        if w.last_seen >= cutoff:
+            return False
+        return w.instance_id is None or w.last_heartbeat is not None
+
+    def sweep(self) -> int:
+        """Forget workers silent for ``worker_timeout_s`` (see ``_expired``); returns how many."""
+        self._last_sweep = time.monotonic()
+        cutoff = time.time() - self._worker_timeout
+        gone = [w for w in self._workers.values() if self._expired(w, cutoff)]
+        for w in gone:
+            self._forget((w.lmc_id, w.worker_id))
+            log.info("LMCache worker %s/%d silent for %.0fs: forgotten", w.lmc_id, w.worker_id,
+                     self._worker_timeout)
+        self._stats["workers_expired"] += len(gone)
+        return len(gone)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self._worker_timeout / 4, 30.0))
+            try:
+                self.sweep()
+            except Exception:
+                self._stats["internal_errors"] += 1
+                log.exception("LMCache worker sweep failed")
+
     # ---- KV reports ----
 
     def _on_kv_ops(self, lmc_id: str, worker_id: int, location: str,
@@ -438,7 +512,8 @@ class LMCacheWorkerServer:
         if not ops:
             return
         w = self._worker(lmc_id, worker_id)
-        assert w is not None
+        if w is None:
+            return
         if self._sync_state(w) == _SYNCING:
             # The running full sync is the truth for this worker; LMCache discards these too.
             self._stats["kv_ops_during_sync"] += len(ops)
@@ -454,10 +529,21 @@ class LMCacheWorkerServer:
             return
         self._apply(w, location, [(a, k) for a, k, _ in ops])
 
+    def _holdings_of(self, instance_id: str) -> Holdings:
+        h = self._holdings.get(instance_id)
+        if h is None:
+            h = self._holdings[instance_id] = Holdings(self._max_sources)
+        return h
+
     def _apply(self, w: _Worker, location: str, ops: list[tuple[bool, int]]) -> None:
         assert w.instance_id is not None
-        h = self._holdings.setdefault(w.instance_id, Holdings())
-        admitted, evicted = h.apply((w.lmc_id, w.worker_id, location), ops)
+        h = self._holdings_of(w.instance_id)
+        try:
+            admitted, evicted = h.apply((w.lmc_id, w.worker_id, location), ops)
+        except SlotsExhausted as exc:
+            self._stats["sources_refused"] += 1
+            log.debug("LMCache ops of %s/%s at %s refused: %s", w.lmc_id, w.worker_id, location, exc)
+            return
         if evicted:
             self._sink.lmcache_evict(w.instance_id, evicted)
         if admitted:
@@ -467,9 +553,7 @@ class LMCacheWorkerServer:
         """Forget what ``w`` reported (one location or all) and tell the sink what left."""
         if w.instance_id is None:
             return
-        h = self._holdings.get(w.instance_id)
-        if h is None:
-            h = self._holdings[w.instance_id] = Holdings()
+        h = self._holdings_of(w.instance_id)
         gone = h.drop(lambda s: s[0] == w.lmc_id and s[1] == w.worker_id
                       and (location is None or s[2] == location))
         if not h.chunks:
@@ -501,6 +585,14 @@ class LMCacheWorkerServer:
                 error_msg="Failed to start sync: worker already syncing with "
                 "different sync_id or worker not found",
             )
+        if not 0 <= msg.batch_count <= self._max_sync_batches:
+            self._stats["full_sync_rejected"] += 1
+            return P.FullSyncStartRetMsg(
+                sync_id=msg.sync_id,
+                accepted=False,
+                error_msg=f"batch_count {msg.batch_count} outside [0, {self._max_sync_batches}] "
+                "(limits.lmcache_max_sync_batches)",
+            )
         self._stats["full_sync_started"] += 1
         w.sync = _Sync(sync_id=msg.sync_id, location=msg.location, expected_batches=msg.batch_count)
         w.seq.pop(msg.location, None)
@@ -519,7 +611,12 @@ class LMCacheWorkerServer:
         if found is None:
             return
         w, s = found
+        if not 0 <= msg.batch_id < s.expected_batches:
+            self._stats["full_sync_stray"] += 1
+            return
         s.batches.add(msg.batch_id)
+        while s.first_missing in s.batches:  # monotonic: O(1) per batch overall
+            s.first_missing += 1
         s.keys_received += len(msg.keys)
         s.last_activity = time.monotonic()
         self._stats["kv_ops"] += len(msg.keys)
@@ -547,7 +644,9 @@ class LMCacheWorkerServer:
         same = s is not None and s.sync_id == msg.sync_id
         missing: list[int] = []
         if same and s is not None and state == _SYNCING:
-            missing = sorted(set(range(s.expected_batches)) - s.batches)
+            # A bounded window from the first gap: the worker resends these and asks again.
+            top = min(s.expected_batches, s.first_missing + MISSING_WINDOW)
+            missing = [b for b in range(s.first_missing, top) if b not in s.batches]
         registered = [x for x in self._workers.values() if x.registered]
         ready = sum(1 for x in registered if self._sync_state(x) in (None, _COMPLETED))
         progress = ready / len(registered) if registered else 0.0
@@ -573,14 +672,11 @@ class LMCacheWorkerServer:
         # LMCache answers with the first registered holder of the first chunk; the longest prefix
         # among peers is never worse for the requester, and equals it when one peer holds it.
         best: tuple[int, str, str, str] | None = None
-        for w in self._workers.values():
-            if w.lmc_id == msg.instance_id or w.peer_init_url is None or w.instance_id is None:
-                continue
-            h = self._holdings.get(w.instance_id)
-            if h is None:
-                continue
+        # One pass over the sources (bounded per instance), not workers x sources.
+        for h in self._holdings.values():
             for slot in h.bits:
-                if slot[0] != w.lmc_id or slot[1] != w.worker_id:
+                w = self._workers.get((slot[0], slot[1]))
+                if w is None or w.lmc_id == msg.instance_id or w.peer_init_url is None:
                     continue
                 n = h.prefix_len(slot, msg.hashes)
                 if n and (best is None or n > best[0]):

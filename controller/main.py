@@ -7,11 +7,25 @@ import asyncio
 import logging
 import sys
 
-from smetric_lmc.config import ConfigError, load_config
+import msgspec
+
+from smetric_lmc.config import ConfigError, LMCacheConfig, LoadConfig, ServerConfig, load_config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "configs/smetric.yaml"
+
+
+def _config_defaults() -> str:
+    """The sockets and timeouts a config gets when it leaves them out (for --help)."""
+    parts = [("server", ServerConfig()), ("load", LoadConfig()), ("lmcache", LMCacheConfig())]
+    rows = [
+        f"  {section}.{k}: {v}"
+        for section, struct in parts
+        for k, v in msgspec.structs.asdict(struct).items()
+        if v is not None and not k.startswith("curve")
+    ]
+    return "config defaults (hosts, ports, timeouts) when the file leaves them out:\n" + "\n".join(rows)
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,27 +34,47 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         "controller",
         help="run the routing controller (route service over ZMQ, KV event ingest, metrics)",
         description=(
-            "Run the SMetric routing controller. It subscribes to every instance's vLLM KV events, "
-            "speaks the LMCache worker protocol, follows the global KV store, and answers `route` "
+            "Run the SMetric routing controller. It subscribes to every instance's vLLM KV events,\n"
+            "speaks the LMCache worker protocol, follows the global KV store, and answers `route`\n"
             "over ZMQ. SIGHUP (or editing the file) reloads the policy section; SIGINT/SIGTERM stop it."
         ),
+        epilog=_config_defaults(),
     )
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
     p.add_argument(
         "--route-url", default=None, help="override server.route_url (e.g. tcp://127.0.0.1:5600)"
     )
+    p.add_argument(
+        "--check", metavar="CONFIG", default=None,
+        help="validate CONFIG, print the resolved settings (hash roots, sockets, policy) and warnings, "
+        "and exit without starting: 0 valid, 2 invalid",
+    )
     p.set_defaults(func=run_controller)
 
 
+def run_check(path: str) -> int:
+    from .check import check
+
+    try:
+        lines, warns = check(load_config(path), path)
+    except (ConfigError, ValueError) as exc:
+        print(f"config {path}: invalid: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    for w in warns:
+        print(f"warning: {w}")
+    return 0
+
+
 def run_controller(args: argparse.Namespace) -> int:
+    if getattr(args, "check", None):
+        return run_check(args.check)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
         log.error("controller: bad config: %s", exc)
         return 2
     if getattr(args, "route_url", None):
-        import msgspec
-
         cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, route_url=args.route_url))
     from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
 
@@ -55,7 +89,9 @@ def run_controller(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m smetric_lmc.controller.main`` without the ``smetric`` front end."""
-    parser = argparse.ArgumentParser(prog="smetric-controller")
+    from smetric_lmc.cli import Parser
+
+    parser = Parser(prog="smetric-controller")
     sub = parser.add_subparsers(dest="command", required=True)
     add_subcommands(sub)
     args = parser.parse_args(["controller", *(sys.argv[1:] if argv is None else argv)])

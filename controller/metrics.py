@@ -4,6 +4,10 @@ Counters that the route path updates live in ``ControllerMetrics`` (its own regi
 and several controllers in one process never collide). Everything that already exists as state
 elsewhere (per-instance load, event-subscriber stats, index sizes) is read at scrape time by a
 collector instead of being copied on every event.
+
+Names share one scheme with the gateway's (``smetric_lmc/gateway_metrics.py``): ``smetric_``
+prefix, counters ``_total``, seconds and tokens as units. The serving instance is the label
+``backend``: ``instance`` is the label Prometheus itself attaches to every scraped series.
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from smetric_lmc.router import Routed
-from smetric_lmc.wire import Reason
+from smetric_lmc.wire import Reason, RouteDecision, TurnSource
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,11 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S: tuple[float, ...] = tuple(
     us * 1e-6 for us in (10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2500, 5000, 10000, 50000)
 )
+
+#: vLLM's KV event types (``smetric_kv_events_total{kind}``).
+KV_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_BLOCK_OPS = {"blocks_stored": "stored", "blocks_removed": "removed"}
+_KNOWN_KEYS = (*sorted(KV_EVENT_TYPES), *_BLOCK_OPS, "unknown", "malformed", "non_gpu", "other_group")
 
 _FALLBACK_KIND = {
     Reason.OVERLOADED: "overloaded",
@@ -62,12 +70,19 @@ class ControllerMetrics:
         self.prompt_tokens = Counter("smetric_route_prompt_tokens", "Prompt tokens of routed requests", registry=r)
         self.fallbacks = Counter(
             "smetric_route_fallbacks",
-            "Requests not routed by the cache rule: overloaded / evicted fallbacks, degraded "
-            "(index empty since start: load balance), no_instances",
+            "Requests not routed by the cache rule: overloaded / evicted fallbacks, index_not_ready "
+            "(no KV data indexed since start: load balance), no_instances",
             ["kind"],
             registry=r,
         )
         self.errors = Counter("smetric_route_errors", "Error replies by code", ["code"], registry=r)
+        self.turn_sources = Counter(
+            "smetric_route_turn_source",
+            "Routes by where their turn came from: request (given), est_hit (none given, history size "
+            "given), index_follow_up / index_first_turn (none given, inferred from the index)",
+            ["source"],
+            registry=r,
+        )
         self.done = Counter("smetric_done_reports", "Done reports by whether they released load", ["released", "ok"], registry=r)
         self.latency = Histogram(
             "smetric_route_latency_seconds",
@@ -83,8 +98,12 @@ class ControllerMetrics:
         self._best = self.funnel.labels(stage="best_local")
         self._chosen = self.funnel.labels(stage="chosen_local")
         self._observe_latency = self.latency.observe
+        # Fallback series exist (at 0) from the start: "no fallbacks" reads 0, not "no data".
+        for kind in (*_FALLBACK_KIND.values(), "index_not_ready"):
+            self.fallbacks.labels(kind=kind)
+        self._turn_source = {t: self.turn_sources.labels(source=t.value) for t in TurnSource}
 
-    def observe_route(self, routed: Routed, latency_s: float, *, degraded: bool = False) -> None:
+    def observe_route(self, routed: RouteDecision, latency_s: float, *, degraded: bool = False) -> None:
         key = (routed.policy, routed.reason.value)
         child = self._decision_children.get(key)
         if child is None:
@@ -100,7 +119,8 @@ class ControllerMetrics:
         if kind is not None:
             self.fallbacks.labels(kind=kind).inc()
         if degraded:
-            self.fallbacks.labels(kind="degraded").inc()
+            self.fallbacks.labels(kind="index_not_ready").inc()
+        self._turn_source[routed.turn_source].inc()
         self._observe_latency(latency_s)
 
     def observe_error(self, code: str) -> None:
@@ -200,13 +220,13 @@ class StateCollector(Collector):
 
 
 def _instance_families(rows: list[InstanceState]) -> Iterable[Metric]:
-    routable = GaugeMetricFamily("smetric_instance_routable", "1 while the instance takes requests", labels=["instance"])
-    in_flight = GaugeMetricFamily("smetric_instance_in_flight", "In-flight requests (ours + external)", labels=["instance"])
-    unpre = GaugeMetricFamily("smetric_instance_unprefilled_tokens", "Routed prompt tokens not yet prefilled", labels=["instance"])
-    seen = GaugeMetricFamily("smetric_instance_seconds_since_seen", "Seconds since the last sign of life", labels=["instance"])
-    ok = GaugeMetricFamily("smetric_instance_engine_metrics_ok", "1 if the last engine /metrics poll succeeded", labels=["instance"])
-    fails = CounterMetricFamily("smetric_instance_engine_poll_failures", "Failed engine /metrics polls", labels=["instance"])
-    healed = CounterMetricFamily("smetric_instance_healed_done", "In-flight entries released by engine metrics", labels=["instance"])
+    routable = GaugeMetricFamily("smetric_instance_routable", "1 while the instance takes requests", labels=["backend"])
+    in_flight = GaugeMetricFamily("smetric_instance_in_flight", "In-flight requests (ours + external)", labels=["backend"])
+    unpre = GaugeMetricFamily("smetric_instance_unprefilled_tokens", "Routed prompt tokens not yet prefilled", labels=["backend"])
+    seen = GaugeMetricFamily("smetric_instance_seconds_since_seen", "Seconds since the last sign of life", labels=["backend"])
+    ok = GaugeMetricFamily("smetric_instance_engine_metrics_ok", "1 if the last engine /metrics poll succeeded", labels=["backend"])
+    fails = CounterMetricFamily("smetric_instance_engine_poll_failures", "Failed engine /metrics polls", labels=["backend"])
+    healed = CounterMetricFamily("smetric_instance_healed_done", "In-flight entries released by engine metrics", labels=["backend"])
     for r in rows:
         routable.add_metric([r.id], 1.0 if r.routable else 0.0)
         in_flight.add_metric([r.id], float(r.in_flight))
@@ -221,17 +241,30 @@ def _instance_families(rows: list[InstanceState]) -> Iterable[Metric]:
 
 
 def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
-    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events applied, by kind", labels=["instance", "kind"])
-    batches = CounterMetricFamily("smetric_kv_event_batches", "vLLM KV event batches applied", labels=["instance"])
-    gaps = CounterMetricFamily("smetric_kv_event_gaps", "Sequence gaps seen", labels=["instance"])
-    replays = CounterMetricFamily("smetric_kv_event_replays", "Replay requests", labels=["instance", "result"])
-    lost = CounterMetricFamily("smetric_kv_event_unfilled_gaps", "Gaps replay could not fill (instance cleared)", labels=["instance"])
-    restarts = CounterMetricFamily("smetric_kv_event_restarts", "Engine restarts detected", labels=["instance"])
-    bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["instance", "kind"])
-    lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["instance"])
+    events = CounterMetricFamily("smetric_kv_events", "vLLM KV events received, by event type", labels=["backend", "kind"])
+    blocks = CounterMetricFamily("smetric_kv_event_blocks", "Blocks applied to the index from vLLM KV events",
+                                 labels=["backend", "op"])
+    skipped = CounterMetricFamily("smetric_kv_events_skipped", "vLLM KV events not applied, by reason",
+                                  labels=["backend", "reason"])
+    batches = CounterMetricFamily("smetric_kv_event_batches", "vLLM KV event batches applied", labels=["backend"])
+    gaps = CounterMetricFamily("smetric_kv_event_gaps", "Sequence gaps seen", labels=["backend"])
+    replays = CounterMetricFamily("smetric_kv_event_replays", "Replay requests", labels=["backend", "result"])
+    lost = CounterMetricFamily("smetric_kv_event_unfilled_gaps", "Gaps replay could not fill (instance cleared)", labels=["backend"])
+    restarts = CounterMetricFamily("smetric_kv_event_restarts", "Engine restarts detected", labels=["backend"])
+    bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["backend", "kind"])
+    lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["backend"])
     for s in subs:
-        for kind, n in s.events.items():
-            events.add_metric([s.instance, kind], float(n))
+        # The subscriber tallies event types, block counts and skip reasons in one dict (non-zero
+        # keys only); each goes to its own family, every known key from 0, so that no sum over a
+        # label mixes events with blocks and a first skip is a change, not a new series.
+        for key in {**dict.fromkeys(_KNOWN_KEYS, 0), **s.events}:
+            n = float(s.events.get(key, 0))
+            if key in _BLOCK_OPS:
+                blocks.add_metric([s.instance, _BLOCK_OPS[key]], n)
+            elif key in KV_EVENT_TYPES:
+                events.add_metric([s.instance, key], n)
+            else:
+                skipped.add_metric([s.instance, key], n)
         batches.add_metric([s.instance], float(s.batches))
         gaps.add_metric([s.instance], float(s.gaps))
         replays.add_metric([s.instance, "requested"], float(s.replays))
@@ -242,7 +275,7 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
         bad.add_metric([s.instance, "framing"], float(s.bad_frames))
         if s.lag_s is not None:
             lag.add_metric([s.instance], s.lag_s)
-    return [events, batches, gaps, replays, lost, restarts, bad, lag]
+    return [events, blocks, skipped, batches, gaps, replays, lost, restarts, bad, lag]
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------

@@ -18,29 +18,31 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from smetric_lmc.config import InstanceConfig, PolicyConfig
+from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
 from smetric_lmc.controller.tasks import cancel_and_wait
-from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
+from smetric_lmc.curve import ZapAllowList, check_keypair
+from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
-from smetric_lmc.router import Routed, Router
+from smetric_lmc.router import Router
 from smetric_lmc.wire import (
-    MAX_FRAME_BYTES,
     DoneAck,
     DoneReport,
     ErrorReply,
+    HashChain,
     HealthReply,
     HealthRequest,
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -57,30 +59,22 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 512
 #: Envelope frames a peer may put before the delimiter (proxies add one per hop).
 MAX_ENVELOPE_FRAMES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class HashSettings:
-    """How the controller turns a prompt into the index's hash spaces."""
-
-    block_size: int
-    fast_root: int
-    chunk_size: int = 256
-    lmcache_algo: str = "builtin"  # "builtin" | "sha256_cbor"
-    lmcache_root: int = 0
-    want_chunks: bool = False  # LMCache local tier or a global tier is indexed
-
-    @property
-    def lmcache_scheme(self) -> str:
-        return f"lmcache_{self.lmcache_algo}"
+#: Frames up to this many times the limit get a "too_large" reply; larger ones are cut by ZMQ.
+TRANSPORT_CAP_FACTOR = 4
+#: Token ids are vocabulary indices; the index stores them as u32.
+MAX_TOKEN_ID = (1 << 32) - 1
+MAX_HASH = (1 << 64) - 1
+#: One chain per hash scheme ("fast", the LMCache schemes, vLLM's).
+MAX_HASH_CHAINS = 4
 
 
 class RouteCore:
     """Answers decoded requests. Never raises: every failure becomes an ``ErrorReply``.
 
     The owner (the controller app) supplies the parts it alone knows through callables:
-    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and keeps
-    ``routable`` in sync with the index (a routable instance is one registered in the index).
+    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and tells it
+    which instances are silent (``set_silent``): a routable instance is one registered in the
+    index, not silent, and (in PD disaggregation) prefill-capable.
     """
 
     def __init__(
@@ -95,7 +89,9 @@ class RouteCore:
         metrics: Any = None,
         stats_fn: Callable[[], dict[str, Any]] | None = None,
         global_store_fn: Callable[[], str] | None = None,
+        limits: LimitsConfig | None = None,
     ) -> None:
+        self.limits = limits or LimitsConfig()
         self.index = index
         self.load = load
         self.router = router
@@ -105,15 +101,20 @@ class RouteCore:
         self.disaggregated = disaggregated
         self._instances: dict[str, InstanceConfig] = {i.id: i for i in instances}
         # In PD disaggregation only prefill-capable instances take new requests.
-        self.candidates: list[str] | None = (
-            [i.id for i in instances if i.role in ("prefill", "both")] if disaggregated else None
+        self._roles_ok: frozenset[str] | None = (
+            frozenset(i.id for i in instances if i.role in ("prefill", "both")) if disaggregated else None
         )
+        self._silent: frozenset[str] = frozenset()
+        # None routes over every registered instance (the fast path); a list narrows it.
+        self.candidates: list[str] | None = None
+        self._update_candidates()
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
         self.counters: dict[str, int] = {
             "route": 0,
             "done": 0,
+            "prefilled": 0,
             "stats": 0,
             "health": 0,
             "instances": 0,
@@ -121,6 +122,7 @@ class RouteCore:
             "no_instance": 0,
             "errors": 0,
             "internal_errors": 0,
+            "hash_mismatch": 0,
         }
         self.errors_by_code: dict[str, int] = {}
 
@@ -135,24 +137,46 @@ class RouteCore:
                 log.info("index ready: routing with policy=%s", self.router.policy_cfg.name)
         return self._ready
 
+    def set_silent(self, silent: set[str] | frozenset[str]) -> None:
+        """Instances that keep their index but take no new requests (silent past the timeout)."""
+        self._silent = frozenset(silent)
+        self._update_candidates()
+
+    def _update_candidates(self) -> None:
+        if self._roles_ok is None and not self._silent:
+            self.candidates = None
+            return
+        ids = [i for i in self._instances if i not in self._silent]
+        self.candidates = [i for i in ids if self._roles_ok is None or i in self._roles_ok]
+
     def endpoint_of(self, instance_id: str) -> str | None:
         inst = self._instances.get(instance_id)
         return inst.http if inst is not None else None
 
     # ---- entry point ---------------------------------------------------------------------------
     def handle(self, payload: bytes) -> bytes:
-        """Decode, answer and encode one request payload."""
+        """Decode, answer and encode one request payload.
+
+        The payload is decoded once: a frame the schema rejects is answered without its
+        request_id rather than decoded again schema-less (which would cost a hostile frame's
+        worth of objects a second time).
+        """
         t0 = time.perf_counter()
         as_json = is_json(payload)
+        request_id: str | None = None
         try:
-            req = decode_request(payload)
+            try:
+                req = decode_request(payload)
+            except RecursionError:  # msgspec follows nesting with the interpreter's recursion limit
+                raise WireError("bad_request", "nesting too deep") from None
+            request_id = _request_id_of(req)
             reply, routed = self._dispatch(req)
         except WireError as exc:
-            reply, routed = self._error(exc.code, str(exc), _peek_request_id(payload)), None
+            reply, routed = self._error(exc.code, str(exc), request_id), None
         except Exception as exc:  # a bug must cost one reply, not the controller
             log.exception("route service: internal error")
             self.counters["internal_errors"] += 1
-            reply, routed = self._error("internal", f"{type(exc).__name__}: {exc}", None), None
+            reply, routed = self._error("internal", f"{type(exc).__name__}: {exc}", request_id), None
         try:
             out = encode(reply, json=as_json)
         except Exception as exc:  # e.g. a stats value no encoder knows
@@ -175,11 +199,15 @@ class RouteCore:
         log.debug("route service: error code=%s request_id=%s message=%s", code, request_id, message)
         return ErrorReply(code=code, message=message[:1000], request_id=request_id)
 
-    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, Routed | None]:
+    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, RouteDecision | None]:
         if isinstance(req, RouteRequest):
             return self._route(req)
         if isinstance(req, DoneReport):
             return self._done(req), None
+        if isinstance(req, PrefilledReport):
+            self.counters["prefilled"] += 1
+            _check_request_id(req.request_id)
+            return PrefilledAck(request_id=req.request_id, applied=self.load.on_prefilled(req.request_id)), None
         if isinstance(req, StatsRequest):
             self.counters["stats"] += 1
             return StatsReply(stats=self.stats()), None
@@ -192,17 +220,12 @@ class RouteCore:
         raise WireError("bad_request", f"unsupported message {type(req).__name__}")
 
     # ---- route / done ---------------------------------------------------------------------------
-    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, Routed | None]:
+    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, RouteDecision | None]:
         self.counters["route"] += 1
         _check_request_id(req.request_id)
+        self._check_bounds(req)
         blocks, chunks, n_tokens = self._hashes(req)
         prompt = req.prompt_tokens if req.prompt_tokens is not None else n_tokens
-        if prompt < 0:
-            raise WireError("bad_request", "prompt_tokens must be >= 0")
-        if req.turn is not None and req.turn < 0:
-            raise WireError("bad_request", "turn must be >= 0")
-        if req.est_hit_tokens is not None and req.est_hit_tokens < 0:
-            raise WireError("bad_request", "est_hit_tokens must be >= 0")
         ready = self.index_ready
         router = self.router if ready else self.fallback
         if not ready:
@@ -216,25 +239,42 @@ class RouteCore:
             est_hit=req.est_hit_tokens,
             candidates=self.candidates,
         )
-        endpoint = None
         if routed.instance_id is None:
             self.counters["no_instance"] += 1
         else:
-            endpoint = self.endpoint_of(routed.instance_id)
-        decision = RouteDecision(
-            request_id=req.request_id,
-            instance_id=routed.instance_id,
-            endpoint=endpoint,
-            reason=routed.reason,
-            policy=routed.policy,
-            local_hit_tokens=routed.local_hit_tokens,
-            global_hit_tokens=routed.global_hit_tokens,
-            est_hit_tokens=routed.est_hit_tokens,
-            turn=routed.turn,
-            prompt_tokens=routed.prompt_tokens,
-            load=routed.load,
-        )
-        return decision, routed
+            routed.endpoint = self.endpoint_of(routed.instance_id)
+        routed.index_ready = ready
+        return routed, routed
+
+    def _check_bounds(self, req: RouteRequest) -> None:
+        """Refuse out-of-range fields before any work proportional to them (C-speed scans only)."""
+        lim = self.limits
+        cap = lim.max_prompt_tokens
+        for name, value, top in (
+            ("prompt_tokens", req.prompt_tokens, cap),
+            ("est_hit_tokens", req.est_hit_tokens, cap),
+            ("turn", req.turn, lim.max_turn),
+        ):
+            if value is not None and not 0 <= value <= top:
+                raise WireError("bad_request", f"{name} must be within [0, {top}], got {value}")
+        toks = req.token_ids
+        if toks is not None and toks:
+            if len(toks) > cap:
+                raise WireError("too_large", f"{len(toks)} token_ids exceed limits.max_prompt_tokens={cap}")
+            if min(toks) < 0 or max(toks) > MAX_TOKEN_ID:
+                raise WireError("bad_request", f"token_ids must be within [0, {MAX_TOKEN_ID}]")
+        if len(req.hashes) > MAX_HASH_CHAINS:
+            raise WireError("bad_request", f"at most {MAX_HASH_CHAINS} hash chains")
+        for hc in req.hashes:
+            if not 0 < hc.block_size <= cap:
+                raise WireError("bad_request", f"hash chain block_size must be within [1, {cap}]")
+            if len(hc.hashes) > cap // hc.block_size + 1:
+                raise WireError(
+                    "too_large", f"{len(hc.hashes)} hashes of {hc.block_size} tokens exceed "
+                    f"limits.max_prompt_tokens={cap}"
+                )
+            if hc.hashes and (min(hc.hashes) < 0 or max(hc.hashes) > MAX_HASH):
+                raise WireError("bad_request", "hashes must be within [0, 2^64-1]")
 
     def _hashes(self, req: RouteRequest) -> tuple[list[int], list[int] | None, int]:
         """The request's fast block chain and LMCache chunk chain, and its token count."""
@@ -242,6 +282,8 @@ class RouteCore:
         fast: list[int] | None = None
         chunks: list[int] | None = None
         for hc in req.hashes:
+            if hc.scheme in ("fast", hs.lmcache_scheme):
+                self._check_root(hc, hs.fast_root if hc.scheme == "fast" else hs.lmcache_root)
             if hc.scheme == "fast":
                 if hc.block_size != hs.block_size:
                     raise WireError(
@@ -265,7 +307,8 @@ class RouteCore:
             raise WireError("bad_request", "route needs token_ids or hashes")
         try:
             if fast is None and toks is not None:
-                fast = fast_chain(toks, hs.block_size, root=hs.fast_root)
+                # A route naming a LoRA adapter the engines reported hashes in that adapter's chain.
+                fast = fast_chain(toks, hs.block_size, root=self.index.root_for(req.model, hs.fast_root))
             if chunks is None and toks is not None and hs.want_chunks:
                 chunks = lmcache_chunk_chain(toks, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -276,6 +319,17 @@ class RouteCore:
         else:
             n_tokens = max(len(fast) * hs.block_size, len(chunks or ()) * hs.chunk_size)
         return fast, (chunks if hs.want_chunks else None), n_tokens
+
+    def _check_root(self, hc: HashChain, root: int) -> None:
+        if hc.root is None or hc.root == root:
+            return
+        # Hashes from another root match nothing here: routing on them would silently read every
+        # hit as zero. Refuse loudly (the error code is counted per code in the metrics).
+        self.counters["hash_mismatch"] += 1
+        log.warning("route refused: %s chain hashed from root %d; this index uses %d (the sender must adopt "
+                    "stats()['hashing'])", hc.scheme, hc.root, root)
+        raise WireError("hash_mismatch", f"{hc.scheme} chain root {hc.root} differs from this index's {root}; "
+                        "adopt the controller's stats()['hashing']")
 
     def _done(self, req: DoneReport) -> DoneAck:
         self.counters["done"] += 1
@@ -321,14 +375,7 @@ class RouteCore:
             "index_ready": self.index_ready,
             "degraded": not self.index_ready,
             "routable_instances": self.routable_ids(),
-            "hashing": {
-                "block_size": hs.block_size,
-                "fast_root": hs.fast_root,
-                "lmcache_scheme": hs.lmcache_scheme,
-                "lmcache_chunk_size": hs.chunk_size,
-                "lmcache_root": hs.lmcache_root,
-                "chunks_indexed": hs.want_chunks,
-            },
+            "hashing": hs.as_stats(),
             "service": dict(self.counters),
             "errors_by_code": dict(self.errors_by_code),
             "index": {**self.index.stats, **self.index.sizes()},
@@ -345,13 +392,8 @@ def _check_request_id(request_id: str) -> None:
         raise WireError("bad_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
 
 
-def _peek_request_id(payload: bytes) -> str | None:
-    """Best effort: the request_id of a frame that failed validation, for the error reply."""
-    try:
-        obj = msgspec.json.decode(payload) if is_json(payload) else msgspec.msgpack.decode(payload)
-    except Exception:
-        return None
-    rid = obj.get("request_id") if isinstance(obj, dict) else None
+def _request_id_of(req: Any) -> str | None:
+    rid = getattr(req, "request_id", None)
     return rid[:MAX_REQUEST_ID_CHARS] if isinstance(rid, str) else None
 
 
@@ -395,14 +437,18 @@ class RouteService:
         *,
         curve_secret_key: str | None = None,
         curve_public_key: str | None = None,
-        max_frame_bytes: int = MAX_FRAME_BYTES,
+        curve_client_keys: Sequence[str] | None = None,
+        max_frame_bytes: int | None = None,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.core = core
         self.url = url
-        self.max_frame_bytes = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes or core.limits.max_frame_bytes
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._curve = (curve_secret_key, curve_public_key)
+        self._client_keys = list(curve_client_keys) if curve_client_keys is not None else None
+        self._own_ctx: zmq.asyncio.Context | None = None
+        self._zap: ZapAllowList | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -410,17 +456,26 @@ class RouteService:
         self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0}
 
     def bind(self) -> str:
-        """Bind the ROUTER (``tcp://127.0.0.1:*`` picks a free port); returns the bound endpoint."""
+        """Bind the ROUTER (``tcp://127.0.0.1:*`` picks a free port); returns the bound endpoint.
+
+        Raises ValueError for invalid CURVE keys (before anything is bound).
+        """
+        secret, public = self._curve
+        if secret or public:
+            check_keypair(secret, public)
+            if self._client_keys is None:
+                log.warning("route service: CURVE encrypts but accepts any client key (no allow-list given)")
+            else:
+                # ZAP is per context: a context of our own keeps every other socket out of it.
+                self._own_ctx = zmq.asyncio.Context()
+                self._ctx = self._own_ctx
+                self._zap = ZapAllowList(zmq.Context.shadow(self._own_ctx.underlying), self._client_keys)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # A hard cap far above the checked limit: ZMQ drops (disconnects) anything larger without
-        # buffering it, while frames between the two limits get a "too_large" reply.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame_bytes + 65536)
-        secret, public = self._curve
-        if secret:
-            if not public:
-                sock.close(linger=0)
-                raise ValueError("CURVE needs both server.curve_secret_key and server.curve_public_key")
+        # The transport's hard cap, far above the checked limit: ZMQ cuts the connection on
+        # anything larger without buffering it, while frames between the two get "too_large".
+        sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_CAP_FACTOR * self.max_frame_bytes + 65536)
+        if secret and public:
             sock.curve_server = True
             sock.curve_secretkey = secret.encode()
             sock.curve_publickey = public.encode()
@@ -428,11 +483,25 @@ class RouteService:
             sock.bind(self.url)
         except zmq.ZMQError:
             sock.close(linger=0)
+            self._stop_zap()
             raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("route service listening endpoint=%s curve=%s", self.endpoint, bool(secret))
+        log.info("route service listening endpoint=%s curve=%s allow_list=%s", self.endpoint, bool(secret),
+                 self._zap is not None)
         return self.endpoint
+
+    @property
+    def curve_counts(self) -> dict[str, int]:
+        return self._zap.counts if self._zap is not None else {}
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._own_ctx is not None:
+            self._own_ctx.destroy(linger=0)
+            self._own_ctx = None
 
     async def run(self) -> None:
         """Serve until ``close()``."""
@@ -477,10 +546,12 @@ class RouteService:
         reply = self._answer(frames)
         if reply is None:
             return
+        # Counted before sending: a peer reading the counters after its reply sees it included.
+        self.counters["replies"] += 1
         try:
             sync.send_multipart(reply, zmq.NOBLOCK)
-            self.counters["replies"] += 1
         except zmq.ZMQError as exc:  # the peer's queue is full or it vanished: its problem
+            self.counters["replies"] -= 1
             self.counters["send_errors"] += 1
             log.debug("route service: send failed error=%s", exc)
 
@@ -506,6 +577,7 @@ class RouteService:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        self._stop_zap()
 
 
-__all__ = ["HashSettings", "RouteCore", "RouteService", "split_envelope"]
+__all__ = ["RouteCore", "RouteService", "split_envelope"]

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -31,6 +30,8 @@ from smetric_lmc.controller.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints cannot exceed 2^64-1
+# Vocabulary ids; the index keeps them as u32. An event carrying anything else is dropped alone.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 END_SEQ = (1 << 64) - 1
 MEDIUM_GPU = "GPU"
 
@@ -44,7 +45,7 @@ MEDIUM_GPU = "GPU"
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list[U64]
     parent_block_hash: U64 | None = None
-    token_ids: list[int] = []
+    token_ids: list[TokenId] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -132,7 +133,7 @@ def _fold_hash(value: Any) -> Any:
 def _decode_one(raw: msgspec.Raw) -> KVEvent:
     try:
         obj = _ANY_DECODER.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return DroppedEvent(reason="malformed")
     if isinstance(obj, list) and obj and isinstance(obj[0], str):
         cls = _KNOWN.get(obj[0])
@@ -153,7 +154,7 @@ def _decode_one(raw: msgspec.Raw) -> KVEvent:
         obj["parent_block_hash"] = _fold_hash(obj["parent_block_hash"])
     try:
         return msgspec.convert(obj, cls)
-    except (msgspec.ValidationError, TypeError):
+    except (msgspec.ValidationError, TypeError, RecursionError):
         return DroppedEvent(kind=kind, reason="malformed")
 
 
@@ -162,9 +163,17 @@ def decode_payload(payload: bytes) -> EventBatch:
 
     Fast path: one typed decode of the whole batch. If any event is of an unknown type,
     in the legacy array form, carries digest hashes or is malformed, the batch is decoded
-    event by event and each unusable event becomes a ``DroppedEvent``.
+    event by event and each unusable event becomes a ``DroppedEvent``. Each pass is linear in
+    the payload, and nesting beyond the interpreter's recursion limit is malformed, not a crash.
     Raises ``PayloadError`` when the envelope itself is not a batch.
     """
+    try:
+        return _decode_batch(payload)
+    except RecursionError:
+        raise PayloadError("nesting too deep") from None
+
+
+def _decode_batch(payload: bytes) -> EventBatch:
     try:
         return _MAP_DECODER.decode(payload)
     except msgspec.ValidationError:
@@ -183,6 +192,28 @@ def decode_payload(payload: bytes) -> EventBatch:
     return EventBatch(raw.ts, [_decode_one(r) for r in raw.events], raw.data_parallel_rank)
 
 
+_SCALAR_SIZES = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def peek_event_count(payload: bytes) -> int | None:
+    """The length of a ``[ts, events, rank]`` payload's events array, read from the msgpack
+    headers without decoding anything; None when the payload does not start that way."""
+    if len(payload) < 3 or payload[0] not in (0x92, 0x93):
+        return None
+    b = payload[1]
+    i = 2 if (b < 0x80 or b >= 0xE0) else 1 + _SCALAR_SIZES.get(b, len(payload))
+    if i >= len(payload):
+        return None
+    h = payload[i]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h in (0xDC, 0xDD):
+        width = 2 if h == 0xDC else 4
+        if i + width < len(payload):
+            return int.from_bytes(payload[i + 1 : i + 1 + width], "big")
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Applying batches to the index.
 
@@ -197,11 +228,17 @@ class GpuBlockSink(Protocol):
         parent_block_hash: int | None,
         token_ids: Sequence[int],
         block_size: int,
+        *,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        lora_id: int | None = None,
     ) -> int: ...
 
     def gpu_removed(self, instance_id: str, block_hashes: Sequence[int]) -> int: ...
 
     def gpu_cleared(self, instance_id: str) -> None: ...
+
+    def mark_stale(self, instance_id: str) -> None: ...
 
 
 def _untracked(ev: BlockStored | BlockRemoved, group_idx: int | None) -> str | None:
@@ -220,8 +257,12 @@ def apply_batch(
     counts: dict[str, int] | None = None,
     *,
     group_idx: int | None = 0,
+    max_blocks_per_event: int | None = None,
 ) -> int:
     """Apply a decoded batch to ``sink`` in order; returns the number of block events applied.
+
+    A ``BlockStored`` of more than ``max_blocks_per_event`` blocks counts as malformed and is
+    skipped alone (the index then under-reports, never over-reports).
 
     Only GPU-medium events (``medium`` "GPU" or absent) are applied. For hybrid models with
     several KV cache groups only ``group_idx`` is tracked (the same block hash appears in
@@ -254,13 +295,18 @@ def apply_batch(
             skip = _untracked(ev, group_idx)
             if skip is not None:
                 untracked[skip] += 1
-            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size or (
+                max_blocks_per_event is not None and len(ev.block_hashes) > max_blocks_per_event
+            ):
                 # vLLM reports full blocks only; anything else would corrupt a re-hash.
                 malformed += 1
             elif ev.block_hashes:
                 blocks_stored += len(ev.block_hashes)
+                # Adapter and extra keys set the block's identity (the index folds them into its chain).
+                keyed = ev.lora_name is not None or ev.lora_id is not None or any(ev.extra_keys or ())
+                extra = {"lora_name": ev.lora_name, "extra_keys": ev.extra_keys, "lora_id": ev.lora_id} if keyed else {}
                 sink.gpu_stored(
-                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size
+                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, **extra
                 )
         elif isinstance(ev, AllBlocksCleared):
             n_cleared += 1
@@ -315,6 +361,9 @@ class SubscriberStats:
     restarts: int = 0
     duplicates: int = 0
     decode_errors: int = 0
+    oversize_batches: int = 0
+    internal_errors: int = 0
+    replay_deadlines: int = 0
     bad_frames: int = 0
     other_topic: int = 0
     sink_errors: int = 0
@@ -336,7 +385,10 @@ class VllmEventSubscriber:
     Sequence handling: a gap (or a first message with seq > 0) is filled from the replay
     endpoint; a seq that goes back with a newer timestamp is an engine restart and clears
     the instance; an older timestamp is a duplicate and is skipped. A gap that cannot be
-    filled clears the instance, because its mirror would be wrong.
+    filled (or a batch the sink failed on) marks the instance's entries stale: the blocks the
+    engine stored before the gap are most likely still there, so they stay indexed (and usable)
+    until the engine's next events store them again or they age out, rather than declaring
+    every session on the instance evicted at once.
     """
 
     def __init__(
@@ -350,8 +402,11 @@ class VllmEventSubscriber:
         bind: bool | None = None,
         group_idx: int | None = 0,
         replay_timeout_s: float = 1.0,
+        replay_deadline_s: float = 10.0,
         max_replay_batches: int = 200_000,
         max_message_bytes: int = 64 << 20,
+        max_events_per_batch: int = 65_536,
+        max_blocks_per_event: int = 65_536,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.instance_id = instance_id
@@ -361,7 +416,11 @@ class VllmEventSubscriber:
         self._group_idx = group_idx
         self._replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
+        self._replay_deadline_s = replay_deadline_s
         self._max_replay_batches = max_replay_batches
+        self._max_events = max_events_per_batch
+        self._max_blocks = max_blocks_per_event
+        self._last_error_log = 0.0
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._last_ts: float | None = None
         self._closing = False
@@ -395,8 +454,14 @@ class VllmEventSubscriber:
     async def run(self) -> None:
         """Receive and apply batches until ``close()``."""
         self._task = asyncio.current_task()
+        n = 0
         try:
             while not self._closing:
+                n += 1
+                if n % 64 == 0:
+                    # A queued batch is returned without a trip through the event loop: a
+                    # backlog would otherwise hold the loop until it is drained.
+                    await asyncio.sleep(0)
                 try:
                     frames = await self._sub.recv_multipart()
                 except zmq.ZMQError:
@@ -405,9 +470,15 @@ class VllmEventSubscriber:
                     log.exception("vLLM events %s: receive failed", self.instance_id)
                     await asyncio.sleep(0.1)
                     continue
-                parsed = self._parse(frames)
-                if parsed is not None:
-                    await self._on_live(*parsed)
+                try:
+                    parsed = self._parse(frames)
+                    if parsed is not None:
+                        await self._on_live(*parsed)
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:
+                    # A bug or a frame nobody foresaw costs that frame, not the stream.
+                    self._internal_error()
         except asyncio.CancelledError:
             # close() cancels us mid-receive or mid-replay; that is a normal end.
             if not self._closing:
@@ -420,6 +491,14 @@ class VllmEventSubscriber:
         await cancel_and_wait(self._task)
         self._sub.close(linger=0)
 
+    def _internal_error(self) -> None:
+        self.stats.internal_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log > 10.0:  # a hostile peer must not flood the log
+            self._last_error_log = now
+            log.exception("vLLM events %s: frame handling failed (%d so far)", self.instance_id,
+                          self.stats.internal_errors)
+
     # -- frames ---------------------------------------------------------------
 
     def _parse(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
@@ -431,12 +510,26 @@ class VllmEventSubscriber:
             # SUBSCRIBE matches prefixes, so "kv" also lets "kv2" through.
             self.stats.other_topic += 1
             return None
+        seq = int.from_bytes(seq_bytes, "big")
+        announced = peek_event_count(payload)
+        if announced is not None and announced > self._max_events:
+            # Refused from its header: decoding it first would cost the whole frame.
+            self.stats.oversize_batches += 1
+            log.warning("vLLM events %s: batch %d announces %d events (limit %d); dropped",
+                        self.instance_id, seq, announced, self._max_events)
+            return None
         try:
             batch = decode_payload(payload)
         except PayloadError:
             self.stats.decode_errors += 1
             return None
-        return int.from_bytes(seq_bytes, "big"), batch
+        if len(batch.events) > self._max_events:
+            # Applying part of it would leave the mirror wrong; skipping it is a gap.
+            self.stats.oversize_batches += 1
+            log.warning("vLLM events %s: batch %d has %d events (limit %d); dropped",
+                        self.instance_id, seq, len(batch.events), self._max_events)
+            return None
+        return seq, batch
 
     # -- ordering -------------------------------------------------------------
 
@@ -470,20 +563,21 @@ class VllmEventSubscriber:
         if seq > expected:
             self.stats.unfilled_gaps += 1
             log.warning(
-                "vLLM events %s: batches %d..%d lost; clearing the instance",
+                "vLLM events %s: batches %d..%d lost; marking the instance's entries stale",
                 self.instance_id,
                 expected,
                 seq - 1,
             )
-            self._clear()
+            self._mark_stale()
         try:
-            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx)
+            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx,
+                        max_blocks_per_event=self._max_blocks)
         except Exception:
-            # The sink is our own index; a failure there must not kill ingest, but the
-            # mirror is no longer trustworthy.
-            log.exception("vLLM events %s: sink failed on seq %d", self.instance_id, seq)
+            # The sink is our own index; a failure there must not kill ingest, but what it
+            # holds for this instance is no longer certain.
+            log.exception("vLLM events %s: sink failed on seq %d; marking stale", self.instance_id, seq)
             self.stats.sink_errors += 1
-            self._clear()
+            self._mark_stale()
         now = time.time()
         self.stats.batches += 1
         self.stats.last_seq = seq
@@ -492,10 +586,16 @@ class VllmEventSubscriber:
         self._last_ts = batch.ts
 
     def _clear(self) -> None:
+        self._tell_sink(self._sink.gpu_cleared, "clear")
+
+    def _mark_stale(self) -> None:
+        self._tell_sink(self._sink.mark_stale, "mark stale")
+
+    def _tell_sink(self, call: Callable[[str], None], what: str) -> None:
         try:
-            self._sink.gpu_cleared(self.instance_id)
+            call(self.instance_id)
         except Exception:
-            log.exception("vLLM events %s: sink failed to clear", self.instance_id)
+            log.exception("vLLM events %s: sink failed to %s", self.instance_id, what)
             self.stats.sink_errors += 1
 
     async def _fill(self, start: int) -> None:
@@ -519,12 +619,22 @@ class VllmEventSubscriber:
         if "[" in self._replay_endpoint:
             dealer.setsockopt(zmq.IPV6, 1)
         out: list[tuple[int, EventBatch]] = []
+        # A total deadline: a peer trickling one batch just inside the per-batch timeout must
+        # not hold this engine's ingest (live batches queue meanwhile) for long.
+        deadline = time.monotonic() + self._replay_deadline_s
         try:
             dealer.connect(self._replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while len(out) < self._max_replay_batches:
-                if not await dealer.poll(self._replay_timeout_ms, zmq.POLLIN):
-                    log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                wait_ms = max(0, min(self._replay_timeout_ms, left_ms))
+                if left_ms <= 0 or not await dealer.poll(wait_ms, zmq.POLLIN):
+                    if wait_ms < self._replay_timeout_ms:
+                        self.stats.replay_deadlines += 1
+                        log.warning("vLLM events %s: replay from %d past its %.1fs deadline",
+                                    self.instance_id, start, self._replay_deadline_s)
+                    else:
+                        log.warning("vLLM events %s: replay from %d timed out", self.instance_id, start)
                     return None
                 frames = await dealer.recv_multipart()
                 if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ.to_bytes(8, "big"):
@@ -542,66 +652,3 @@ class VllmEventSubscriber:
             dealer.close(linger=0)
         out.sort(key=lambda item: item[0])
         return out
-
-
-# ---------------------------------------------------------------------------
-# Benchmark.
-
-
-def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:
-    """vLLM-shaped payloads holding at least ``n_events`` block events.
-
-    Each engine step stores one new 16-block prompt (16 tokens per block, rooted at the
-    hash seed) and evicts the prompt stored two steps earlier as 16 single-block
-    ``BlockRemoved`` events, tail first, the order in which vLLM's free queue gives blocks
-    up. Hashes span the full u64 range. Returns (payloads, block events).
-    """
-    rng = random.Random(seed)
-    enc = msgspec.msgpack.Encoder()
-    payloads: list[bytes] = []
-    history: list[list[int]] = []
-    total = 0
-    ts = 1.7e9
-    while total < n_events:
-        hashes = [rng.getrandbits(64) for _ in range(16)]
-        events: list[dict[str, Any]] = [
-            {
-                "type": "BlockStored",
-                "block_hashes": hashes,
-                "parent_block_hash": None,
-                "token_ids": [rng.randrange(150_000) for _ in range(256)],
-                "block_size": 16,
-                "lora_id": None,
-                "medium": "GPU",
-                "lora_name": None,
-                "extra_keys": [None] * 16,
-                "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention",
-            }
-        ]
-        total += 16
-        history.append(hashes)
-        if len(history) > 2:
-            for h in reversed(history.pop(0)):
-                events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
-                total += 1
-        ts += 0.01
-        payloads.append(enc.encode([ts, events, 0]))
-    return payloads, total
-
-
-def ingest_benchmark(sink: GpuBlockSink, n_events: int, instance_id: str = "bench") -> float:
-    """Decoded + applied block events per second on synthetic vLLM-shaped payloads.
-
-    Blocks are 16 tokens; a real index must be configured for that block size and know
-    ``instance_id`` before the run.
-    """
-    payloads, total = synthetic_payloads(n_events)
-    applied = 0
-    t0 = time.perf_counter()
-    for payload in payloads:
-        applied += apply_batch(decode_payload(payload), sink, instance_id)
-    elapsed = time.perf_counter() - t0
-    if applied != total:
-        raise RuntimeError(f"applied {applied} of {total} block events")
-    return total / elapsed

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import Any
 
 # subcommand -> (module, function adding its argparse subcommand); imported lazily so that
 # `smetric sim` does not pay for the controller's sockets or the gateway's HTTP stack.
@@ -20,8 +21,50 @@ _PARTS = {
 }
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and ends every option's help with its default.
+
+    Options whose help already names its default, flags, and options without a default (None)
+    are left as they are.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not _has_default(default)
+            or "default" in text.lower()
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        ):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown})".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults; its subcommands' parsers are of this class too
+    (argparse makes sub-parsers of the parent's class), so every `smetric ... --help` does."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        if kw.get("formatter_class") in (None, argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter):
+            kw["formatter_class"] = DefaultsHelpFormatter
+        super().__init__(*args, **kw)
+
+    def add_argument(self, *args: Any, **kw: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kw)
+        # argparse prints no help line at all for an option without help text: give it one so
+        # that its default still shows.
+        if not action.help and action.option_strings and _has_default(action.default):
+            action.help = "(default: %(default)s)"
+        return action
+
+
+def _has_default(default: Any) -> bool:
+    return default is not None and default is not False and default is not argparse.SUPPRESS
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="smetric", description=__doc__)
+    parser = Parser(prog="smetric", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)

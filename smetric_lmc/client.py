@@ -4,16 +4,17 @@ Sync::
 
     from smetric_lmc.client import RouteClient
     with RouteClient("tcp://127.0.0.1:5600") as c:
-        d = c.route("req-1", token_ids=ids, turn=2, est_hit_tokens=4096, hash_client_side=True)
+        hs = c.hash_settings()  # the controller's own: client-side hashes then match its index
+        d = c.route("req-1", token_ids=ids, turn=2, est_hit_tokens=4096, hashing=hs)
         ...  # send the request to d.endpoint
         c.done("req-1", instance_id=d.instance_id, output_tokens=n)
 
 Async (``AsyncRouteClient``): same methods, awaitable; many requests may be in flight at once on
 one client (each carries a correlation frame the controller echoes).
 
-``hash_client_side=True`` hashes token ids here so only the chained block hashes cross the wire;
-``block_size`` and ``fast_root`` must then match the controller's index (its ``stats()["hashing"]``
-tells them). Errors from the controller raise ``RouteError(code, message)``; no reply within
+``hashing=HashSettings`` hashes token ids here so only the chained block hashes cross the wire;
+take the settings from the controller (``hash_settings()``) so they match its index: each chain
+carries its root, and the controller refuses (``hash_mismatch``) hashes from any other. Errors from the controller raise ``RouteError(code, message)``; no reply within
 ``timeout_s`` raises ``RouteTimeout`` and the socket is replaced, so a late reply can never be
 taken for the answer to the next request.
 """
@@ -25,13 +26,14 @@ import contextlib
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from smetric_lmc.hashing import FAST_ROOT, TokenIds, fast_chain, lmcache_chunk_chain
+from smetric_lmc.curve import HandshakeWatch
+from smetric_lmc.hashing import HashSettings, TokenIds
 from smetric_lmc.wire import (
     DoneAck,
     DoneReport,
@@ -42,6 +44,8 @@ from smetric_lmc.wire import (
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
+    PrefilledAck,
+    PrefilledReport,
     RouteDecision,
     RouteRequest,
     StatsReply,
@@ -51,7 +55,7 @@ from smetric_lmc.wire import (
     encode,
 )
 
-__all__ = ["AsyncRouteClient", "RouteClient", "RouteError", "RouteTimeout", "build_route_request"]
+__all__ = ["AsyncRouteClient", "RouteClient", "RouteError", "RouteRefused", "RouteTimeout", "build_route_request"]
 
 
 class RouteError(Exception):
@@ -70,6 +74,14 @@ class RouteTimeout(RouteError, TimeoutError):
         super().__init__("timeout", message)
 
 
+class RouteRefused(RouteTimeout):
+    """The controller refused this client's security handshake (CURVE key unknown or missing)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = "refused"
+
+
 def build_route_request(
     request_id: str,
     *,
@@ -79,29 +91,20 @@ def build_route_request(
     turn: int | None = None,
     est_hit_tokens: int | None = None,
     model: str = "",
-    hash_client_side: bool = False,
-    block_size: int = 16,
-    fast_root: int = FAST_ROOT,
-    lmcache_chunk_size: int | None = None,
-    lmcache_root: int = 0,
-    lmcache_hash: Literal["builtin", "sha256_cbor"] = "builtin",
+    hashing: HashSettings | None = None,
 ) -> RouteRequest:
-    """The ``route`` message for a prompt; hashes it here when ``hash_client_side``.
+    """The ``route`` message for a prompt; with ``hashing`` its token ids are hashed here.
 
-    With ``hash_client_side`` the fast chain (and, if ``lmcache_chunk_size`` is given, the LMCache
-    chunk chain the controller's LMCache/global tiers use) replaces the token ids on the wire.
+    Client-side hashing replaces the token ids on the wire with the fast chain (and the LMCache
+    chunk chain when the controller indexes chunks), each tagged with its root.
     """
     chains = list(hashes or ())
     ids: list[int] | None = None
     if token_ids is not None:
-        if hash_client_side:
-            n = len(token_ids)
-            chains.append(HashChain("fast", block_size, fast_chain(token_ids, block_size, root=fast_root)))
-            if lmcache_chunk_size:
-                chunks = lmcache_chunk_chain(token_ids, lmcache_chunk_size, root=lmcache_root, algo=lmcache_hash)
-                chains.append(HashChain(f"lmcache_{lmcache_hash}", lmcache_chunk_size, chunks))
+        if hashing is not None:
+            chains.extend(hashing.chains(token_ids))
             if prompt_tokens is None:
-                prompt_tokens = n
+                prompt_tokens = len(token_ids)
         else:
             ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     return RouteRequest(
@@ -117,6 +120,13 @@ def build_route_request(
 
 def _done_report(request_id: str, **kw: Any) -> DoneReport:
     return DoneReport(request_id=request_id, **kw)
+
+
+def _settings_of(stats: dict[str, Any]) -> HashSettings:
+    try:
+        return HashSettings.from_stats(stats.get("hashing"))
+    except ValueError as exc:
+        raise RouteError("bad_reply", str(exc)) from None
 
 
 def _expect(reply: Any, kind: type) -> Any:
@@ -168,7 +178,20 @@ class _Base:
         # not be delivered (and counted as load) minutes later when the controller comes back.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         _curve_setup(sock, *self._curve)
+        self._close_watch()
+        self._watch: HandshakeWatch | None = HandshakeWatch(sock)
         sock.connect(self.url)
+
+    def _timeout(self, message: str) -> RouteTimeout:
+        """A timeout, or a refusal when the handshake failed (no reply will ever come)."""
+        watch = getattr(self, "_watch", None)
+        reason = watch.failure() if watch is not None else None
+        return RouteRefused(f"{self.url}: {reason}") if reason else RouteTimeout(message)
+
+    def _close_watch(self) -> None:
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.close()
 
 
 class RouteClient(_Base):
@@ -189,6 +212,7 @@ class RouteClient(_Base):
         return self._sock
 
     def _reset(self) -> None:
+        self._close_watch()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -208,11 +232,11 @@ class RouteClient(_Base):
         timeout_ms = max(1, int(self.timeout_s * 1000))
         try:
             if not sock.poll(timeout_ms, zmq.POLLOUT):
-                raise RouteTimeout(f"controller at {self.url} not reachable within {self.timeout_s}s")
+                raise self._timeout(f"controller at {self.url} not reachable within {self.timeout_s}s")
             sock.send_multipart([corr, b"", encode(msg, json=self.json)], flags=zmq.NOBLOCK)
             while True:
                 if not sock.poll(timeout_ms, zmq.POLLIN):
-                    raise RouteTimeout(f"no reply from {self.url} within {self.timeout_s}s")
+                    raise self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
                 frames = sock.recv_multipart()
                 if len(frames) == 3 and frames[0] == corr and frames[1] == b"":
                     return _decode(frames[2])
@@ -232,8 +256,16 @@ class RouteClient(_Base):
         """Report a request finished (instance_id, prompt_tokens, output_tokens, cached_tokens, ttft_s, e2e_s, ok)."""
         return _expect(self._call(_done_report(request_id, **kw)), DoneAck)
 
+    def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        """Report the request's first output token arrived (its prompt is prefilled)."""
+        return _expect(self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
+
     def stats(self) -> dict[str, Any]:
         return _expect(self._call(StatsRequest()), StatsReply).stats
+
+    def hash_settings(self) -> HashSettings:
+        """The controller's hashing, to hash prompts here exactly as its index does."""
+        return _settings_of(self.stats())
 
     def health(self) -> HealthReply:
         return _expect(self._call(HealthRequest()), HealthReply)
@@ -292,11 +324,12 @@ class AsyncRouteClient(_Base):
             return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             self._pending.pop(corr, None)
+            error = self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
             if not self._pending:
                 # Nothing else in flight: drop the socket so anything still queued for the
                 # controller is discarded rather than delivered late.
                 await self._reset()
-            raise RouteTimeout(f"no reply from {self.url} within {self.timeout_s}s") from None
+            raise error from None
         except zmq.ZMQError as exc:
             self._pending.pop(corr, None)
             raise RouteError("transport", str(exc)) from exc
@@ -304,6 +337,7 @@ class AsyncRouteClient(_Base):
     async def _reset(self) -> None:
         reader, self._reader = self._reader, None
         sock, self._sock = self._sock, None
+        self._close_watch()
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -330,8 +364,14 @@ class AsyncRouteClient(_Base):
     async def done(self, request_id: str, **kw: Any) -> DoneAck:
         return _expect(await self._call(_done_report(request_id, **kw)), DoneAck)
 
+    async def prefilled(self, request_id: str, instance_id: str | None = None) -> PrefilledAck:
+        return _expect(await self._call(PrefilledReport(request_id=request_id, instance_id=instance_id)), PrefilledAck)
+
     async def stats(self) -> dict[str, Any]:
         return _expect(await self._call(StatsRequest()), StatsReply).stats
+
+    async def hash_settings(self) -> HashSettings:
+        return _settings_of(await self.stats())
 
     async def health(self) -> HealthReply:
         return _expect(await self._call(HealthRequest()), HealthReply)

@@ -1,19 +1,27 @@
-"""Typed configuration (``configs/smetric.yaml``).
+"""Typed configuration (``configs/smetric.yaml``) and the one YAML loader every config file uses.
 
 Every field has the default DESIGN.md gives; unknown keys are errors, and a bad file fails with
-the key path and the reason (``ConfigError``), never a traceback from deep inside.
+the key path and the reason (``ConfigError``), never a traceback from deep inside. The controller
+config, the simulator config and the hardware profiles are all read through :func:`read_yaml` /
+:func:`load_yaml`; the files under ``configs/`` ship with the package (:func:`packaged_config`).
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import yaml
 
-PolicyName = Literal["smetric", "load_balance", "bailian", "lmetric", "dynamo", "round_robin", "cache_first"]
-POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
+try:
+    from importlib.resources.abc import Traversable
+except ImportError:  # Python 3.10
+    from importlib.abc import Traversable
+
+from smetric_lmc.policy import POLICY_NAMES as POLICY_NAMES  # re-exported: the CLI and simulator read it here
+from smetric_lmc.policy import policy_names
 
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -21,13 +29,16 @@ class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PolicyConfig(_Cfg):
-    name: PolicyName = "smetric"
+    name: str = "smetric"  # one of POLICY_NAMES (every policy registered in smetric_lmc.policy)
     overload: float = 2.0  # SMetric OVERLOAD; use .inf to never shed
     hit_ratio: float = 0.5  # SMetric HIT_RATIO
     bailian_lambda: float = 0.9  # weight of the miss term in the bailian linear score
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
 
     def __post_init__(self) -> None:
+        names = policy_names()  # every registered policy, including ones registered after import
+        if self.name not in names:
+            raise ValueError(f"name: unknown policy {self.name!r}; expected one of {', '.join(names)}")
         if self.overload < 0:
             raise ValueError("overload must be >= 0")
         if not 0 <= self.hit_ratio <= 1:
@@ -50,7 +61,6 @@ class InstanceConfig(_Cfg):
 
 class HashingConfig(_Cfg):
     block_size: int = 16  # vLLM block size of every instance (the GPU tier's granularity)
-    vllm_hash_algo: Literal["sha256_cbor", "sha256", "xxhash", "xxhash_cbor"] = "sha256_cbor"
     fast_namespace: str = ""  # seeds the controller's own chain (e.g. the model name)
     lmcache_chunk_size: int = 256
     lmcache_hash: Literal["builtin", "sha256_cbor"] = "builtin"
@@ -97,6 +107,19 @@ class ServerConfig(_Cfg):
     metrics_port: int = 9600
     curve_secret_key: str | None = None  # Z85; enables ZMQ CURVE on the route socket
     curve_public_key: str | None = None
+    curve_client_keys: list[str] = []  # Z85 public keys allowed in; ["*"] = any key (encryption only)
+
+    def __post_init__(self) -> None:
+        if self.curve_secret_key or self.curve_public_key:
+            from smetric_lmc.curve import check_client_keys, check_keypair
+
+            check_keypair(self.curve_secret_key, self.curve_public_key)
+            if not self.curve_client_keys:
+                raise ValueError(
+                    "CURVE on: list the clients' public keys in curve_client_keys "
+                    "(or [\"*\"] to accept any key: encryption without authentication)"
+                )
+            check_client_keys(self.curve_client_keys)
 
 
 class LoadConfig(_Cfg):
@@ -104,6 +127,29 @@ class LoadConfig(_Cfg):
     metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
+
+
+class LimitsConfig(_Cfg):
+    """Bounds on what a peer may send; anything above is refused with a reason and counted."""
+
+    max_frame_bytes: int = 16 << 20  # route socket; 4x this is cut by the transport unanswered
+    max_prompt_tokens: int = 1 << 22  # token_ids length, prompt_tokens, est_hit_tokens
+    max_turn: int = 1_000_000
+    kv_max_frame_bytes: int = 64 << 20  # one vLLM KV-event message
+    kv_max_events_per_batch: int = 65_536
+    kv_max_blocks_per_event: int = 65_536  # a 1M-token prompt at block size 16
+    replay_frame_timeout_s: float = 1.0  # silence between two replayed batches
+    replay_deadline_s: float = 10.0  # whole replay, however fast the peer trickles
+    lmcache_max_frame_bytes: int = 16 << 20
+    lmcache_max_workers: int = 4096  # (lmcache instance, worker) pairs known at once
+    lmcache_max_sources_per_instance: int = 256  # (worker, location) sources feeding one instance
+    lmcache_worker_timeout_s: float = 300.0  # silent unmapped or heartbeating workers are forgotten
+    lmcache_max_sync_batches: int = 100_000  # full-sync batch_count (LMCache sends 2,000 keys each)
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 class Config(_Cfg):
@@ -116,6 +162,7 @@ class Config(_Cfg):
     lmcache: LMCacheConfig = msgspec.field(default_factory=LMCacheConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -129,36 +176,77 @@ class ConfigError(ValueError):
     """A configuration problem, with the key path it concerns."""
 
 
+T = TypeVar("T")
+#: Where a config comes from: a file path, or a file shipped with the package.
+Source = str | Path | Traversable
+
+
+def packaged_config(name: str) -> Traversable:
+    """A file shipped under the package's ``configs/`` (``"sim.yaml"``, ``"profiles/<name>.yaml"``)."""
+    return resources.files("smetric_lmc.configs").joinpath(name)
+
+
 def _humanize(exc: msgspec.ValidationError, source: str) -> ConfigError:
     # msgspec says "Expected `int`, got `str` - at `$.policy.overload`": lead with the key path.
     text = str(exc)
     reason, _, where = text.partition(" - at `")
-    path = where.rstrip("`").removeprefix("$").lstrip(".") or "<top level>"
-    return ConfigError(f"{source}: {path}: {reason}")
+    path = where.rstrip("`").removeprefix("$").lstrip(".")
+    # A __post_init__ check names its field as "field: why": fold it into the key path.
+    field_, sep, why = reason.partition(": ")
+    if sep and field_.isidentifier():
+        path, reason = f"{path}.{field_}" if path else field_, why
+    return ConfigError(f"{source}: {path or '<top level>'}: {reason}")
 
 
-def parse_config(data: Any, source: str = "<config>") -> Config:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: <top level>: expected a mapping, got {type(data).__name__}")
+def _name(source: Source) -> str:
+    return str(source) if isinstance(source, str | Path) else f"<package>/configs/{source.name}"
+
+
+def read_yaml(source: Source) -> dict[str, Any]:
+    """The mapping in a YAML file (empty file: {}); ConfigError for a file that cannot be read (a
+    given path that does not exist included), invalid YAML (with line and column) or a non-mapping."""
+    name = _name(source)
+    src = Path(source) if isinstance(source, str) else source
     try:
-        return msgspec.convert(data, Config, strict=False)
-    except msgspec.ValidationError as exc:
-        raise _humanize(exc, source) from None
-
-
-def load_config(path: str | Path) -> Config:
-    """Load and validate a YAML config; raises ConfigError with the key path and reason."""
-    p = Path(path)
-    try:
-        text = p.read_text()
+        text = src.read_text()
     except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+        raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError(f"{p}: {where}invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_config(data, str(p))
+        raise ConfigError(f"{name}: {where}invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: <top level>: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def parse_as(data: Any, kind: type[T], source: str = "<config>") -> T:
+    """``data`` converted to the msgspec-typed ``kind``; ConfigError with the key path and reason."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: <top level>: expected a mapping, got {type(data).__name__}")
+    try:
+        return msgspec.convert(data, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _humanize(exc, source) from None
+
+
+def load_yaml(source: Source, kind: type[T], overrides: dict[str, Any] | None = None) -> T:
+    """Read ``source`` as ``kind``; top-level ``overrides`` (None values skipped) win over the file."""
+    data = read_yaml(source)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return parse_as(data, kind, _name(source))
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    return parse_as(data, Config, source)
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a controller config; raises ConfigError with the key path and reason."""
+    return load_yaml(path, Config)

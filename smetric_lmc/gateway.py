@@ -7,7 +7,8 @@ Per request (``/v1/chat/completions``, ``/v1/completions``):
 2. ask the controller's ``route`` (only the prompt's block hashes cross the wire);
 3. forward the client's body, unchanged, to the chosen instance and stream the answer back as
    it arrives (SSE included, byte for byte);
-4. report ``done`` (usage, cached tokens, TTFT, end-to-end time) so the controller releases load.
+4. report ``prefilled`` when a streamed answer's first bytes arrive (its prompt no longer queues for
+   prefill), and ``done`` (usage, cached tokens, TTFT, end-to-end time) so the controller releases load.
 
 The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason``,
 ``-Local-Hit``, ``-Turn``, ...). An instance that fails before any byte reached the client
@@ -15,6 +16,8 @@ The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason
 instance; if that fails too the client gets a 502 JSON error naming both attempts. When the
 controller does not answer, the gateway routes round-robin over the configured instances, says
 so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``.
+``X-SMetric-Index-Ready: false`` marks decisions made while the controller's index was still empty
+(load balance). ``/metrics`` serves the gateway's Prometheus metrics (``gateway_metrics.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from aiohttp import web
 
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
 from smetric_lmc.config import Config, ConfigError, InstanceConfig, load_config
+from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
 from smetric_lmc.gateway_prompt import (
     BadRequest,
     Kind,
@@ -44,7 +48,7 @@ from smetric_lmc.gateway_prompt import (
     UsageSniffer,
     parse_turn_header,
 )
-from smetric_lmc.hashing import fast_root
+from smetric_lmc.hashing import HashSettings
 from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
@@ -59,18 +63,25 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 @dataclass(slots=True)
 class Target:
-    """Where one attempt goes, and why."""
+    """Where one attempt goes: the controller's decision, or the gateway's own fallback pick."""
 
     instance_id: str
     endpoint: str
-    reason: str
     route_id: str | None  # the id the controller counts this attempt under; None: not routed by it
-    policy: str = ""
-    local_hit_tokens: int = 0
-    est_hit_tokens: int = 0
-    turn: int | None = None
+    decision: RouteDecision | None  # None: the gateway picked round-robin
     prompt_tokens: int = 0
+    turn: int | None = None
+    est_hit_tokens: int | None = None
     fallback: str | None = None  # why the controller's decision was not used
+    index_ready: bool | None = None  # the controller's; False: routed by load balance while its index fills
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason.value if self.decision is not None else "gateway_round_robin"
+
+    @property
+    def local_hit_tokens(self) -> int:
+        return self.decision.local_hit_tokens if self.decision is not None else 0
 
 
 @dataclass(slots=True)
@@ -112,11 +123,8 @@ class Gateway:
         self.route_timeout_s = route_timeout_s
         self.controller_retry_s = controller_retry_s
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=connect_timeout_s)
-        h = cfg.hashing
-        self.block_size = h.block_size
-        self.fast_root = fast_root(h.fast_namespace)
-        # The controller indexes LMCache chunks only with LMCache or a global store configured.
-        self.chunk_size = h.lmcache_chunk_size if (cfg.lmcache.enabled or cfg.global_store.kind != "none") else None
+        # The config's hashing until the controller's stats reply says what its index uses.
+        self.hashing = HashSettings.from_config(cfg)
         self._hf = _load_hf(tokenizer_dir) if tokenizer_dir else None
         self._http: aiohttp.ClientSession | None = None
         self._client: AsyncRouteClient | None = None
@@ -127,7 +135,9 @@ class Gateway:
         self.counters: dict[str, int] = {
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
+            "hash_mismatch": 0, "prefilled_reports": 0, "prefilled_failures": 0,
         }
+        self.metrics = GatewayMetrics(list(self._by_id))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -136,6 +146,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self.metrics.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -145,9 +156,9 @@ class Gateway:
         self._http = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
         self._client = AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
         self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf)
-        self._spawn(self._check_hashing())
+        await self._adopt_hashing()
         log.info("gateway: controller=%s instances=%s block_size=%d tokenizer=%s", self.controller_url,
-                 ",".join(self._by_id), self.block_size, "hf" if self._hf else "engine /tokenize")
+                 ",".join(self._by_id), self.hashing.block_size, "hf" if self._hf else "engine /tokenize")
 
     async def _cleanup(self, _app: web.Application) -> None:
         if self._background:
@@ -162,28 +173,36 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _check_hashing(self) -> None:
-        """Client-side hashes must match the controller's index; adopt its settings if they differ."""
+    async def _adopt_hashing(self) -> bool:
+        """Take every hashing field from the controller's ``stats``, so client-side hashes match its
+        index; True when adopted. Until then the config's settings are used, and the controller
+        refuses any chain whose root differs (``hash_mismatch``), which brings the gateway back here."""
         assert self._client is not None
         try:
-            hashing = (await self._client.stats()).get("hashing", {})
+            theirs = HashSettings.from_stats((await self._client.stats()).get("hashing"))
         except RouteError as exc:
-            log.warning("gateway: controller not reachable at start (%s); using the config's hashing", exc)
-            return
-        bs, root = hashing.get("block_size"), hashing.get("fast_root")
-        if isinstance(bs, int) and isinstance(root, int) and (bs, root) != (self.block_size, self.fast_root):
-            log.error("gateway: config hashing (block_size=%d) differs from the controller's (%d); using the "
-                      "controller's", self.block_size, bs)
-            self.block_size, self.fast_root = bs, root
-        if not hashing.get("chunks_indexed", self.chunk_size is not None):
-            self.chunk_size = None
+            log.warning("gateway: controller's hashing unknown (%s); hashing with the config's until it answers", exc)
+            return False
+        except ValueError as exc:
+            log.error("gateway: controller's stats carry no usable hashing (%s); keeping the config's", exc)
+            return False
+        diff = self.hashing.differences(theirs)
+        if diff:
+            log.warning("gateway: adopting the controller's hashing, which differs from the config: %s", " ".join(diff))
+        self.hashing = theirs
+        return True
 
     # ---- handlers -------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "chat", "/v1/chat/completions")
+        return await self._observed(request, "chat", "/v1/chat/completions")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "completion", "/v1/completions")
+        return await self._observed(request, "completion", "/v1/completions")
+
+    async def _observed(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
+        resp = await self._proxy(request, kind, path)
+        self.metrics.observe_response(resp)
+        return resp
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         assert self._http is not None
@@ -233,6 +252,7 @@ class Gateway:
         except UpstreamFailed as first:
             self.counters["retries"] += 1
             failed = target.instance_id
+            self.metrics.observe_retry(failed)
             second_target = await self._retry_target(rid, info, failed)
             if second_target is None:
                 self.counters["bad_gateway"] += 1
@@ -254,6 +274,7 @@ class Gateway:
         return asyncio.get_running_loop().time() >= self._controller_down_until
 
     def _mark_controller(self, up: bool, why: str = "") -> None:
+        self.metrics.controller_up.set(1 if up else 0)
         if up:
             if self._controller_down:
                 log.info("gateway: controller back at %s: routing with it again", self.controller_url)
@@ -270,48 +291,69 @@ class Gateway:
         assert self._client is not None
         if not self._controller_usable():
             return "controller_unavailable"
-        kw: dict[str, Any] = {"turn": info.turn, "est_hit_tokens": info.est_hit_tokens}
-        if info.token_ids is not None:
-            kw.update(token_ids=info.token_ids, hash_client_side=True, block_size=self.block_size,
-                      fast_root=self.fast_root)
-            if self.chunk_size:
-                h = self.cfg.hashing
-                kw.update(lmcache_chunk_size=self.chunk_size, lmcache_root=h.lmcache_root, lmcache_hash=h.lmcache_hash)
-        else:  # no tokenizer answered: route on load alone
-            kw.update(hashes=[HashChain("fast", self.block_size, [])], prompt_tokens=info.approx_tokens)
+        t0 = time.perf_counter()
         try:
-            d = await self._client.route(route_id, model=self.cfg.model, **kw)
-        except RouteTimeout as exc:
-            self._mark_controller(False, str(exc))
-            return "controller_unavailable"
+            d = await self._client.route(route_id, model=self.cfg.model, **self._route_args(info))
         except RouteError as exc:
-            if exc.code == "transport":
-                self._mark_controller(False, str(exc))
-                return "controller_unavailable"
-            log.error("gateway: controller refused route request=%s: %s", route_id, exc)
-            return f"controller_error:{exc.code}"
+            self.metrics.observe_route_rtt(time.perf_counter() - t0, _rtt_outcome(exc))
+            if exc.code != "hash_mismatch":
+                return self._route_failed(route_id, exc)
+            # The controller's index hashes differently than this gateway (it restarted with another
+            # config, or was unreachable when the gateway started): count it, adopt, try once more.
+            self.counters["hash_mismatch"] += 1
+            log.error("gateway: controller refused request=%s: %s; re-adopting its hashing", route_id, exc.message)
+            if not await self._adopt_hashing():
+                return "controller_hash_mismatch"
+            t0 = time.perf_counter()
+            try:
+                d = await self._client.route(route_id, model=self.cfg.model, **self._route_args(info))
+            except RouteError as again:
+                self.metrics.observe_route_rtt(time.perf_counter() - t0, _rtt_outcome(again))
+                return self._route_failed(route_id, again)
+        self.metrics.observe_route_rtt(time.perf_counter() - t0, "ok")
         self._mark_controller(True)
+        if not d.index_ready:
+            self.metrics.index_not_ready.inc()
         if d.instance_id is None or not d.endpoint:
             log.warning("gateway: controller has no routable instance (reason=%s)", d.reason.value)
             return "controller_no_instance"
         return d
+
+    def _route_args(self, info: PromptInfo) -> dict[str, Any]:
+        kw: dict[str, Any] = {"turn": info.turn, "est_hit_tokens": info.est_hit_tokens}
+        if info.token_ids is not None:
+            kw.update(token_ids=info.token_ids, hashing=self.hashing)
+        else:  # no tokenizer answered: route on load alone
+            kw.update(hashes=[HashChain("fast", self.hashing.block_size, [])], prompt_tokens=info.approx_tokens)
+        return kw
+
+    def _route_failed(self, route_id: str, exc: RouteError) -> str:
+        if isinstance(exc, RouteTimeout):
+            self._mark_controller(False, str(exc))
+            return "controller_unavailable"
+        if exc.code == "transport":
+            self._mark_controller(False, str(exc))
+            return "controller_unavailable"
+        log.error("gateway: controller refused route request=%s: %s", route_id, exc)
+        return f"controller_error:{exc.code}"
 
     async def _decide(self, rid: str, info: PromptInfo, exclude: str | None = None) -> Target:
         d = await self._ask_controller(rid, info)
         if isinstance(d, RouteDecision):
             if d.instance_id != exclude:
                 self.counters["routed"] += 1
-                return Target(d.instance_id or "", d.endpoint or "", d.reason.value, rid, d.policy,
-                              d.local_hit_tokens, d.est_hit_tokens, d.turn, d.prompt_tokens)
+                return Target(d.instance_id or "", d.endpoint or "", rid, d, d.prompt_tokens, d.turn,
+                              d.est_hit_tokens,
+                              index_ready=d.index_ready)
             # The controller still prefers the instance that just failed: release and go elsewhere.
             self._report_failed_route(rid, d.instance_id)
             d = "controller_chose_failed_instance"
         self.counters["fallback_routes"] += 1
+        self.metrics.observe_fallback(d)
         inst = next(iter(self._order_from(exclude)), None) if exclude else self._round_robin()
         assert inst is not None
         n = len(info.token_ids) if info.token_ids is not None else info.approx_tokens
-        return Target(inst.id, inst.http, "gateway_round_robin", None, "round_robin", 0,
-                      info.est_hit_tokens or 0, info.turn, n, fallback=d)
+        return Target(inst.id, inst.http, None, None, n, info.turn, info.est_hit_tokens, fallback=d)
 
     async def _retry_target(self, rid: str, info: PromptInfo, failed: str) -> Target | None:
         if len(self.instances) < 2:
@@ -337,6 +379,7 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._http is not None
         att = Attempt(target)
+        self.metrics.attempt_started(target.instance_id)
         url = target.endpoint.rstrip("/") + path
         resp: web.StreamResponse | None = None
         try:
@@ -351,9 +394,13 @@ class Gateway:
                 resp = web.StreamResponse(status=up.status, headers=headers)
                 att.sniffer = UsageSniffer(up.headers.get("Content-Type", ""))
                 await resp.prepare(request)
+                streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
                 async for chunk in up.content.iter_any():
                     if att.first_byte is None:
                         att.first_byte = time.monotonic()
+                        if streamed and target.route_id is not None:
+                            # The engine streams once the prompt is prefilled: its tokens stop queueing.
+                            self._spawn(self._send_prefilled(target.route_id, target.instance_id))
                     await resp.write(chunk)
                     att.sniffer.feed(chunk)
                 att.sniffer.finish()
@@ -366,6 +413,7 @@ class Gateway:
         except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
             if resp is not None and resp.prepared and _client_gone(request):
                 self.counters["client_disconnects"] += 1
+                self.metrics.client_disconnects.inc()
                 att.error = "client disconnected"
                 log.info("gateway: client went away request=%s instance=%s", rid, target.instance_id)
                 return resp
@@ -379,6 +427,7 @@ class Gateway:
 
     def _upstream_failed(self, att: Attempt) -> None:
         self.counters["upstream_failures"] += 1
+        self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=False)
         log.warning("gateway: instance=%s failed before responding: %s", att.target.instance_id, att.error)
 
     def _broken(self, request: web.Request, resp: web.StreamResponse | None, att: Attempt) -> web.StreamResponse:
@@ -388,6 +437,7 @@ class Gateway:
         # Bytes already reached the client: the request cannot be replayed. Abort the connection so
         # the client sees a truncated response instead of a silently short one.
         self.counters["upstream_failures"] += 1
+        self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=True)
         log.error("gateway: instance=%s failed mid-response: %s; aborting the client connection",
                   att.target.instance_id, att.error)
         if request.transport is not None:
@@ -399,23 +449,37 @@ class Gateway:
         now = time.monotonic()
         log.debug("gateway: request=%s instance=%s reason=%s status=%s ok=%s e2e_s=%.3f", t.route_id,
                   t.instance_id, t.reason, att.status, att.ok, now - att.started)
-        if t.route_id is None:  # not counted by the controller: nothing to release
-            return
         s = att.sniffer
         prompt = (s.prompt_tokens() if s else None) or t.prompt_tokens or (
             len(info.token_ids) if info.token_ids is not None else info.approx_tokens)
+        self.metrics.observe_attempt(AttemptRecord(
+            t.instance_id, att.ok, bool(s and s.sse), att.started, now, att.first_byte, prompt,
+            s.output_tokens() if s else 0, t.est_hit_tokens, t.local_hit_tokens, s.cached_tokens() if s else None))
+        if t.route_id is None:  # not counted by the controller: nothing to release
+            return
         self._spawn(self._send_done(
             t.route_id, instance_id=t.instance_id, prompt_tokens=prompt,
             output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
             ttft_s=(att.first_byte - att.started) if att.first_byte else None, e2e_s=now - att.started, ok=att.ok,
         ))
 
+    async def _send_prefilled(self, route_id: str, instance_id: str) -> None:
+        assert self._client is not None
+        try:
+            await self._client.prefilled(route_id, instance_id=instance_id)
+            self.counters["prefilled_reports"] += 1
+        except RouteError as exc:  # the engine-metrics fallback covers it; not worth failing over
+            self.counters["prefilled_failures"] += 1
+            log.debug("gateway: prefilled report for %s not delivered: %s", route_id, exc)
+
     async def _send_done(self, route_id: str, **kw: Any) -> None:
         assert self._client is not None
         try:
             await self._client.done(route_id, **kw)
             self.counters["done_reports"] += 1
+            self.metrics.observe_done(True)
         except RouteError as exc:
+            self.metrics.observe_done(False)
             # Lost done reports are healed by the controller from engine metrics; log and move on.
             self.counters["done_failures"] += 1
             log.warning("gateway: done report for %s not delivered: %s", route_id, exc)
@@ -443,18 +507,23 @@ def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 def _decision_headers(t: Target, rid: str, retried_from: str | None) -> dict[str, str]:
+    d = t.decision
     h = {
         "X-SMetric-Request-Id": rid,
         "X-SMetric-Instance": t.instance_id,
         "X-SMetric-Reason": t.reason,
-        "X-SMetric-Policy": t.policy,
-        "X-SMetric-Local-Hit": str(t.local_hit_tokens),
-        "X-SMetric-Est-Hit": str(t.est_hit_tokens),
+        "X-SMetric-Policy": d.policy if d is not None else "round_robin",
+        "X-SMetric-Local-Hit": str(d.local_hit_tokens if d is not None else 0),
+        "X-SMetric-Est-Hit": str(t.est_hit_tokens or 0),
         "X-SMetric-Turn": "" if t.turn is None else str(t.turn),
         "X-SMetric-Prompt-Tokens": str(t.prompt_tokens),
     }
+    if d is not None:
+        h["X-SMetric-Turn-Source"] = d.turn_source.value
     if t.fallback:
         h["X-SMetric-Fallback"] = t.fallback
+    if t.index_ready is not None:
+        h["X-SMetric-Index-Ready"] = "true" if t.index_ready else "false"
     if retried_from:
         h["X-SMetric-Retried-From"] = retried_from
     return h
@@ -511,3 +580,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 __all__ = ["Gateway", "Target", "add_subcommands", "run_gateway"]
+
+
+def _rtt_outcome(exc: RouteError) -> str:
+    return "timeout" if isinstance(exc, RouteTimeout) else "error"

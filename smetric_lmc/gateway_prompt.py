@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from smetric_lmc.session import HFChatTokenizer, Message, history_of, turn_of
+from smetric_lmc.session import ChatTokenEstimator, HFChatTokenizer, Message, history_of, turn_of
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class PromptReader:
         self._http = http
         self._hf = hf
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # The one estimate for prompts no tokenizer counted, calibrated on the ones that were.
+        self.estimator = ChatTokenEstimator()
         self.counters = {"tokenize_calls": 0, "tokenize_failures": 0, "untokenized": 0}
 
     async def read(self, kind: Kind, body: dict[str, Any], explicit_turn: int | None) -> PromptInfo:
@@ -92,7 +94,7 @@ class PromptReader:
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         turn = turn_of(messages) if explicit_turn is None else explicit_turn
         hist = history_of(messages) if turn > 0 else []
-        approx = len(json.dumps(messages, ensure_ascii=False)) // 4
+        approx = self.estimator.count(messages, tools)
         if self._hf is not None:
             ids, est = await asyncio.to_thread(self._hf_counts, messages, hist, tools, body)
             return PromptInfo(ids, turn, est, approx)
@@ -106,7 +108,11 @@ class PromptReader:
             ids, hist_ids = await asyncio.gather(full, self._tokenize(hist_body))
         else:
             ids, hist_ids = await full, []
-        est = len(hist_ids) if hist_ids is not None else approx_history(hist)
+        if hist_ids:
+            self.estimator.observe(hist, tools, len(hist_ids))
+        elif ids:
+            self.estimator.observe(messages, tools, len(ids))
+        est = len(hist_ids) if hist_ids is not None else self.estimator.count(hist, tools)
         return PromptInfo(ids, turn, est, approx)
 
     def _hf_counts(
@@ -127,7 +133,7 @@ class PromptReader:
             return PromptInfo(list(prompt), explicit_turn, None, len(prompt))
         if not isinstance(prompt, str):
             raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
-        approx = len(prompt.encode()) // 4
+        approx = self.estimator.count_text(prompt)
         if self._hf is not None:
             ids = await asyncio.to_thread(self._hf.tok.encode, prompt)
             return PromptInfo(list(ids), explicit_turn, None, approx)
@@ -172,11 +178,6 @@ class PromptReader:
 
     def _observe(self, url: str, seconds: float) -> None:
         self._latency[url] = 0.7 * self._latency[url] + 0.3 * seconds
-
-
-def approx_history(hist: Sequence[Message]) -> int:
-    """A history length estimate when no engine can tokenize (roughly 4 bytes a token)."""
-    return len(json.dumps(list(hist), ensure_ascii=False).encode()) // 4 if hist else 0
 
 
 class UsageSniffer:

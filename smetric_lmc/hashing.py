@@ -19,17 +19,9 @@ Schemes
   binding reproduces this bit for bit. Namespacing the root (model, LoRA name)
   keeps equal token prefixes of different models apart in one index.
 
-``vllm_sha256_cbor`` -- vLLM 0.32 ``--prefix-caching-hash-algo sha256_cbor``:
-  ``d_j = sha256(canonical CBOR [d_{j-1} (32-byte bstr), [tokens], extra_keys|null])``
-  with ``d_{-1} = NONE_HASH = sha256(CBOR text seed)``, seed = PYTHONHASHSEED if
-  set else ``"vllm-none-hash"``. KV events report the *last* 8 bytes of ``d_j``
-  big-endian, but the chain runs over the full digests, so continuing a chain
-  needs the parent's 32-byte digest, not its 64-bit event hash.
-
-``vllm_sha256`` / ``vllm_xxhash`` / ``vllm_xxhash_cbor`` -- vLLM's other
-  algorithms: the same chain with pickle (protocol 5) instead of CBOR and/or
-  XXH3-128 (16-byte digests) instead of SHA-256. The xxhash ones are only
-  reproducible when the engines run with PYTHONHASHSEED set.
+vLLM's own block hashes (``--prefix-caching-hash-algo``) are never recomputed here: the index
+re-hashes every ``BlockStored``'s token ids into the fast chain and keeps vLLM's hashes only as
+aliases for later ``BlockRemoved`` events.
 
 ``lmcache_builtin`` / ``lmcache_sha256_cbor`` -- LMCache 0.5.6
   ``ChunkedTokenDatabase`` chunk hashes (256-token chunks by default):
@@ -37,6 +29,9 @@ Schemes
   (signed 64-bit), or the *first* 8 bytes big-endian of
   ``sha256(canonical CBOR [h_{i-1}, [tokens], []])``. The root ``h_{-1}`` is
   LMCache's NONE_HASH, see :func:`lmcache_root`.
+
+:class:`HashSettings` is the one description of how a prompt becomes these chains in a deployment;
+the controller builds it from its config and publishes it in ``stats``, gateways and clients adopt it.
 """
 
 from __future__ import annotations
@@ -44,25 +39,25 @@ from __future__ import annotations
 import array
 import hashlib
 import os
-import pickle
 import sys
-from collections.abc import Callable, Sequence
-from functools import lru_cache
-from typing import Any, Literal, TypeAlias
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import cbor2
 import numpy as np
 import xxhash
 
+if TYPE_CHECKING:
+    from smetric_lmc.config import Config
+    from smetric_lmc.wire import HashChain
+
 __all__ = [
     "FAST_ROOT",
-    "SCHEMES",
-    "VLLM_DEFAULT_NONE_HASH_SEED",
-    "VLLM_HASH_ALGOS",
     "LMCACHE_ROOT_KINDS",
+    "VLLM_DEFAULT_NONE_HASH_SEED",
+    "HashSettings",
     "TokenIds",
-    "chain",
-    "chain_fn",
     "fast_chain",
     "fast_chain_from_bytes",
     "fast_root",
@@ -70,14 +65,7 @@ __all__ = [
     "lmcache_root",
     "python_str_hash",
     "token_bytes",
-    "vllm_block_hash_from_digest",
-    "vllm_block_preimage",
-    "vllm_chain",
-    "vllm_digests",
-    "vllm_none_hash",
     "vllm_none_hash_seed",
-    "vllm_sha256_cbor_chain",
-    "vllm_sha256_cbor_digests",
 ]
 
 TokenIds: TypeAlias = Sequence[int] | np.ndarray
@@ -196,41 +184,10 @@ def _as_int_list(token_ids: TokenIds) -> list[int]:
 # ---------------------------------------------------------------------------
 
 VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-VLLM_HASH_ALGOS: tuple[str, ...] = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
-# vLLM pickles with HIGHEST_PROTOCOL, which is 5 on every Python it supports.
-_PICKLE_PROTOCOL = 5
 
 
 def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
-
-
-def _sha256_pickle(obj: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)).digest()
-
-
-def _xxh128_pickle(obj: Any) -> bytes:
-    return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=_PICKLE_PROTOCOL))
-
-
-def _xxh128_cbor(obj: Any) -> bytes:
-    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
-
-
-_VLLM_HASH_FNS: dict[str, Callable[[Any], bytes]] = {
-    "sha256_cbor": _sha256_cbor,
-    "sha256": _sha256_pickle,
-    "xxhash": _xxh128_pickle,
-    "xxhash_cbor": _xxh128_cbor,
-}
-_VLLM_DIGEST_SIZE = {"sha256_cbor": 32, "sha256": 32, "xxhash": 16, "xxhash_cbor": 16}
-
-
-def _vllm_hash_fn(algo: str) -> Callable[[Any], bytes]:
-    try:
-        return _VLLM_HASH_FNS[algo]
-    except KeyError:
-        raise ValueError(f"unknown vLLM hash algo {algo!r}; expected one of {VLLM_HASH_ALGOS}") from None
 
 
 def vllm_none_hash_seed(algo: str = "sha256_cbor") -> str:
@@ -241,7 +198,8 @@ def vllm_none_hash_seed(algo: str = "sha256_cbor") -> str:
     pass the engines' seed explicitly instead. Raises ValueError for the xxhash
     algorithms without PYTHONHASHSEED, whose seed vLLM then draws at random.
     """
-    _vllm_hash_fn(algo)
+    if algo not in ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor"):
+        raise ValueError(f"unknown vLLM hash algo {algo!r}")
     env = os.environ.get("PYTHONHASHSEED")
     if env is not None:
         return env
@@ -251,151 +209,6 @@ def vllm_none_hash_seed(algo: str = "sha256_cbor") -> str:
             "pass the engines' none_hash_seed"
         )
     return VLLM_DEFAULT_NONE_HASH_SEED
-
-
-def vllm_none_hash(seed: str | None = None, algo: str = "sha256_cbor") -> bytes:
-    """NONE_HASH, the parent digest of every first block.
-
-    ``seed`` None resolves it as vLLM does (:func:`vllm_none_hash_seed`).
-    """
-    return _none_hash_for(vllm_none_hash_seed(algo) if seed is None else seed, algo)
-
-
-@lru_cache(maxsize=64)
-def _none_hash_for(seed: str, algo: str) -> bytes:
-    return _vllm_hash_fn(algo)(seed)
-
-
-def vllm_block_preimage(
-    parent_digest: bytes, block_token_ids: Sequence[int], extra_keys: Any = None
-) -> bytes:
-    """Canonical CBOR bytes vLLM's sha256_cbor hashes for one block."""
-    return cbor2.dumps((parent_digest, tuple(block_token_ids), _freeze(extra_keys)), canonical=True)
-
-
-def vllm_block_hash_from_digest(digest: bytes) -> int:
-    """The unsigned 64-bit hash vLLM KV events report for a block digest."""
-    return int.from_bytes(digest[-8:], "big")
-
-
-def _freeze(keys: Any) -> Any:
-    # vLLM builds extra keys from tuples; pickle tells a list from a tuple, so
-    # lists (e.g. decoded from JSON or msgpack) must become tuples again.
-    if isinstance(keys, (list, tuple)):
-        return tuple(_freeze(k) for k in keys)
-    return keys
-
-
-def _vllm_parent_digest(parent: int | bytes | None, none_hash_seed: str | None, algo: str) -> bytes:
-    # vLLM substitutes NONE_HASH for any falsy parent, including b"".
-    if not parent:
-        return vllm_none_hash(none_hash_seed, algo)
-    size = _VLLM_DIGEST_SIZE[algo]
-    if isinstance(parent, int):
-        # A 64-bit event hash has lost the rest of the digest; taking it for
-        # one would silently produce a chain no engine ever computes.
-        if parent <= _U64 or parent >> (8 * size):
-            raise ValueError(
-                f"parent int must be the full {8 * size}-bit digest (int.from_bytes(digest, 'big')); "
-                "the 64-bit hash in KV events cannot continue a vLLM chain"
-            )
-        return parent.to_bytes(size, "big")
-    if isinstance(parent, (bytes, bytearray, memoryview)) and len(parent) == size:
-        return bytes(parent)
-    raise ValueError(
-        f"parent must be None or a {size}-byte {algo} digest, "
-        f"got {type(parent).__name__} of length {len(parent)}"
-    )
-
-
-def vllm_digests(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    algo: str = "sha256_cbor",
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[bytes]:
-    """Full block digests of vLLM 0.32's chain for ``--prefix-caching-hash-algo algo``.
-
-    ``d_j = H((d_{j-1}, tuple(block_j), extra_keys_j))`` where ``H`` serialises
-    with canonical CBOR (``*_cbor``) or pickle protocol 5, then hashes with
-    SHA-256 (32 bytes) or XXH3-128 (16 bytes).
-
-    ``parent``: digest of the block before ``token_ids`` (bytes, or the same
-    bytes as a big-endian int); None starts at NONE_HASH for ``none_hash_seed``
-    (None: resolve as vLLM does, see :func:`vllm_none_hash_seed`).
-    ``extra_keys``: one entry per full block, each the hash-input keys vLLM's
-    ``generate_block_hash_extra_keys`` builds (tagged tuples such as
-    ``("lora", name, path)`` or ``("cache_salt", salt)``) or None. KV events
-    publish an untagged form of these keys, which does not hash the same.
-    """
-    _check_block_size(block_size)
-    hash_fn = _vllm_hash_fn(algo)
-    toks = _as_int_list(token_ids)
-    n_blocks = len(toks) // block_size
-    if extra_keys is not None and len(extra_keys) != n_blocks:
-        raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n_blocks} full blocks")
-    prev = _vllm_parent_digest(parent, none_hash_seed, algo)
-    out: list[bytes] = []
-    for j in range(n_blocks):
-        start = j * block_size
-        extra = None if extra_keys is None else _freeze(extra_keys[j])
-        prev = hash_fn((prev, tuple(toks[start : start + block_size]), extra))
-        out.append(prev)
-    return out
-
-
-def vllm_chain(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    algo: str = "sha256_cbor",
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[int]:
-    """Block hashes exactly as vLLM 0.32 KV events report them (last 8 bytes,
-    big-endian, of each digest). Arguments as in :func:`vllm_digests`."""
-    digests = vllm_digests(
-        token_ids,
-        block_size,
-        algo=algo,
-        parent=parent,
-        none_hash_seed=none_hash_seed,
-        extra_keys=extra_keys,
-    )
-    return [int.from_bytes(d[-8:], "big") for d in digests]
-
-
-def vllm_sha256_cbor_digests(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[bytes]:
-    """32-byte digests of vLLM's sha256_cbor chain (see :func:`vllm_digests`)."""
-    return vllm_digests(
-        token_ids, block_size, parent=parent, none_hash_seed=none_hash_seed, extra_keys=extra_keys
-    )
-
-
-def vllm_sha256_cbor_chain(
-    token_ids: TokenIds,
-    block_size: int,
-    *,
-    parent: int | bytes | None = None,
-    none_hash_seed: str | None = None,
-    extra_keys: Sequence[Any] | None = None,
-) -> list[int]:
-    """Block hashes as vLLM 0.32 KV events report them under sha256_cbor
-    (see :func:`vllm_digests`)."""
-    return vllm_chain(
-        token_ids, block_size, parent=parent, none_hash_seed=none_hash_seed, extra_keys=extra_keys
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -551,54 +364,92 @@ def lmcache_chunk_chain(
 
 
 # ---------------------------------------------------------------------------
-# registry
+# one deployment's settings
 # ---------------------------------------------------------------------------
 
-
-def _lmcache_builtin(token_ids: TokenIds, block_size: int, *, root: int = 0) -> list[int]:
-    return lmcache_chunk_chain(token_ids, block_size, root=root, algo="builtin")
+LMCacheAlgo = Literal["builtin", "sha256_cbor"]
 
 
-def _lmcache_sha256_cbor(token_ids: TokenIds, block_size: int, *, root: int = 0) -> list[int]:
-    return lmcache_chunk_chain(token_ids, block_size, root=root, algo="sha256_cbor")
+@dataclass(frozen=True, slots=True)
+class HashSettings:
+    """How prompts become the index's hash chains in one deployment.
 
-
-def _vllm_scheme(algo: str) -> Callable[..., list[int]]:
-    def scheme_chain(token_ids: TokenIds, block_size: int, **kw: Any) -> list[int]:
-        return vllm_chain(token_ids, block_size, algo=algo, **kw)
-
-    scheme_chain.__name__ = f"vllm_{algo}_chain"
-    return scheme_chain
-
-
-_REGISTRY: dict[str, Callable[..., list[int]]] = {
-    "fast": fast_chain,
-    "vllm_sha256_cbor": vllm_sha256_cbor_chain,
-    "vllm_sha256": _vllm_scheme("sha256"),
-    "vllm_xxhash": _vllm_scheme("xxhash"),
-    "vllm_xxhash_cbor": _vllm_scheme("xxhash_cbor"),
-    "lmcache_builtin": _lmcache_builtin,
-    "lmcache_sha256_cbor": _lmcache_sha256_cbor,
-}
-
-SCHEMES: tuple[str, ...] = tuple(_REGISTRY)
-
-
-def chain_fn(scheme: str) -> Callable[..., list[int]]:
-    """The chain function for ``scheme``, called as ``f(token_ids, block_size, **kw)``.
-
-    Resolve once and keep the function on hot paths instead of calling :func:`chain`.
+    Built once from the controller's config (:meth:`from_config`); the controller publishes it in
+    its ``stats`` reply (:meth:`as_stats`) and gateways adopt it from there (:meth:`from_stats`),
+    so client-side hashes always match the index. Every root is resolved to an int here.
     """
-    try:
-        return _REGISTRY[scheme]
-    except KeyError:
-        raise ValueError(f"unknown hash scheme {scheme!r}; expected one of {SCHEMES}") from None
 
+    block_size: int = 16
+    fast_root: int = FAST_ROOT
+    chunk_size: int = 256
+    lmcache_algo: LMCacheAlgo = "builtin"
+    lmcache_root: int = 0
+    want_chunks: bool = False  # LMCache local tier or a global tier is indexed
 
-def chain(scheme: str, token_ids: TokenIds, block_size: int, **kw: Any) -> list[int]:
-    """Chained block hashes of ``token_ids`` in hash space ``scheme``.
+    @classmethod
+    def from_config(cls, cfg: Config) -> HashSettings:
+        h = cfg.hashing
+        return cls(
+            block_size=h.block_size,
+            fast_root=fast_root(h.fast_namespace),
+            chunk_size=h.lmcache_chunk_size,
+            lmcache_algo=h.lmcache_hash,
+            lmcache_root=h.lmcache_root_value(),
+            want_chunks=cfg.lmcache.enabled or cfg.global_store.kind != "none",
+        )
 
-    ``kw`` goes to the scheme's function: ``root`` for ``fast`` and the LMCache
-    schemes; ``parent``, ``none_hash_seed``, ``extra_keys`` for the ``vllm_*`` schemes.
-    """
-    return chain_fn(scheme)(token_ids, block_size, **kw)
+    @property
+    def lmcache_scheme(self) -> str:
+        return f"lmcache_{self.lmcache_algo}"
+
+    def as_stats(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "fast_root": self.fast_root,
+            "lmcache_hash": self.lmcache_algo,
+            "lmcache_scheme": self.lmcache_scheme,
+            "lmcache_chunk_size": self.chunk_size,
+            "lmcache_root": self.lmcache_root,
+            "chunks_indexed": self.want_chunks,
+        }
+
+    @classmethod
+    def from_stats(cls, d: Any) -> HashSettings:
+        """The settings a controller's ``stats()["hashing"]`` describes; ValueError if incomplete."""
+        if not isinstance(d, dict):
+            raise ValueError(f"stats hashing: expected a mapping, got {type(d).__name__}")
+        want = {"block_size": int, "fast_root": int, "lmcache_hash": str, "lmcache_chunk_size": int,
+                "lmcache_root": int, "chunks_indexed": bool}
+        for key, kind in want.items():
+            if not isinstance(d.get(key), kind):
+                raise ValueError(f"stats hashing: {key} missing or not {kind.__name__} ({d.get(key)!r})")
+        if d["lmcache_hash"] not in ("builtin", "sha256_cbor"):
+            raise ValueError(f"stats hashing: unknown lmcache_hash {d['lmcache_hash']!r}")
+        return cls(
+            block_size=d["block_size"],
+            fast_root=d["fast_root"],
+            chunk_size=d["lmcache_chunk_size"],
+            lmcache_algo=d["lmcache_hash"],
+            lmcache_root=d["lmcache_root"],
+            want_chunks=d["chunks_indexed"],
+        )
+
+    def differences(self, other: HashSettings) -> list[str]:
+        """``field=mine->theirs`` for every field that differs."""
+        return [
+            f"{f}={getattr(self, f)!r}->{getattr(other, f)!r}"
+            for f in self.__dataclass_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+
+    def chains(self, token_ids: TokenIds) -> list[HashChain]:
+        """The prompt's chains as a ``route`` request carries them, each tagged with its root so
+        the controller can refuse hashes made with other settings."""
+        from smetric_lmc.wire import HashChain
+
+        out = [HashChain("fast", self.block_size, fast_chain(token_ids, self.block_size, root=self.fast_root),
+                         root=self.fast_root)]
+        if self.want_chunks:
+            chunks = lmcache_chunk_chain(token_ids, self.chunk_size, root=self.lmcache_root, algo=self.lmcache_algo)
+            out.append(HashChain(self.lmcache_scheme, self.chunk_size, chunks, root=self.lmcache_root))
+        return out

@@ -1,7 +1,10 @@
 """Load accounting: in-flight requests and unprefilled tokens per instance.
 
 A request counts from the moment it is routed (so a burst cannot herd onto one instance before any
-engine reports) until its done report. Engines' own counters (``vllm:num_requests_running`` +
+engine reports) until its done report; its prompt tokens count as unprefilled until its prefilled
+report (the gateway sends it at the first streamed token; the simulator at prefill end). Without
+that report the engines' ``vllm:num_requests_waiting`` bounds how many of an instance's requests
+can still wait for prefill: older ones beyond that many are taken as prefilled (``reconcile``). Engines' own counters (``vllm:num_requests_running`` +
 ``_waiting``) heal lost done reports: entries older than a grace period beyond what the engine says
 it holds are released, oldest first. Requests that other routers sent to an engine show up as
 ``external`` load, so the view never under-counts a shared engine.
@@ -10,6 +13,7 @@ it holds are released, oldest first. Requests that other routers sent to an engi
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
@@ -20,21 +24,37 @@ class _InFlight:
     instance: str
     unprefilled: int
     since: float
+    prefilled: bool = False
 
 
 class LoadTracker:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    """``expire_s``: an entry never reported done is released after this long (counted as
+    ``expired``), so a gateway that died cannot grow the in-flight set without bound."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, expire_s: float | None = None) -> None:
         self._clock = clock
+        self._expire_s = expire_s
+        self._by_age: deque[tuple[str, _InFlight]] = deque()  # routing order = age order
         self._requests: dict[str, _InFlight] = {}
         self._count: dict[str, int] = {}
         self._unprefilled: dict[str, int] = {}
         self._external: dict[str, int] = {}
-        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0}
+        # count + external, kept up to date so a route reads every instance's load with one C-level
+        # map (at 1,024 instances two dict lookups per instance were most of the route's cost).
+        self._total: dict[str, int] = {}
+        # The same totals laid out in the index's instance order (see ``loads_aligned``).
+        self._aligned: list[int] = []
+        self._aligned_pos: dict[str, int] = {}
+        self._aligned_key: tuple[int, int] | None = None
+        self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0, "prefilled": 0,
+                      "prefilled_inferred": 0, "expired": 0}
 
     def add_instance(self, instance_id: str) -> None:
         self._count.setdefault(instance_id, 0)
         self._unprefilled.setdefault(instance_id, 0)
         self._external.setdefault(instance_id, 0)
+        if instance_id not in self._total:
+            self._set_total(instance_id, 0)
 
     def remove_instance(self, instance_id: str) -> None:
         for rid in [r for r, e in self._requests.items() if e.instance == instance_id]:
@@ -42,6 +62,10 @@ class LoadTracker:
         self._count.pop(instance_id, None)
         self._unprefilled.pop(instance_id, None)
         self._external.pop(instance_id, None)
+        self._total.pop(instance_id, None)
+        k = self._aligned_pos.get(instance_id)
+        if k is not None:
+            self._aligned[k] = 0
 
     def on_route(self, request_id: str, instance_id: str, prompt_tokens: int, hit_tokens: int = 0) -> None:
         """Count a routed request; re-routing the same id moves it."""
@@ -49,17 +73,25 @@ class LoadTracker:
             self._release(request_id)
         self.add_instance(instance_id)
         todo = max(0, prompt_tokens - hit_tokens)
-        self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        entry = self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        if self._expire_s is not None:
+            self.expire()
+            self._by_age.append((request_id, entry))
         self._count[instance_id] += 1
+        self._set_total(instance_id, self._total[instance_id] + 1)
         self._unprefilled[instance_id] += todo
         self.stats["routed"] += 1
 
-    def on_prefilled(self, request_id: str) -> None:
-        """Prefill finished (PD disaggregation, simulator): its tokens no longer queue."""
+    def on_prefilled(self, request_id: str) -> bool:
+        """Prefill finished: its tokens no longer queue. False when not in flight or already prefilled."""
         entry = self._requests.get(request_id)
-        if entry is not None and entry.unprefilled:
-            self._unprefilled[entry.instance] -= entry.unprefilled
-            entry.unprefilled = 0
+        if entry is None or entry.prefilled:
+            return False
+        self._unprefilled[entry.instance] -= entry.unprefilled
+        entry.unprefilled = 0
+        entry.prefilled = True
+        self.stats["prefilled"] += 1
+        return True
 
     def on_done(self, request_id: str) -> bool:
         """Release a request; False when it was not in flight (duplicate or healed)."""
@@ -74,15 +106,41 @@ class LoadTracker:
         if entry is None:
             return False
         self._count[entry.instance] -= 1
+        self._set_total(entry.instance, self._total[entry.instance] - 1)
         self._unprefilled[entry.instance] -= entry.unprefilled
         return True
 
-    def reconcile(self, instance_id: str, engine_requests: int, grace_s: float = 30.0) -> int:
-        """Align with the engine's running+waiting count. Returns entries released as lost."""
+    def expire(self) -> int:
+        """Release entries older than ``expire_s``; O(1) amortized (each route is queued once)."""
+        if self._expire_s is None:
+            return 0
+        cutoff = self._clock() - self._expire_s
+        q, n = self._by_age, 0
+        while q and q[0][1].since < cutoff:
+            rid, entry = q.popleft()
+            if self._requests.get(rid) is entry:  # not done, not re-routed since
+                self._release(rid)
+                n += 1
+        self.stats["expired"] += n
+        return n
+
+    def reconcile(
+        self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,
+        engine_waiting: int | None = None, prefill_grace_s: float = 1.0,
+    ) -> int:
+        """Align with the engine's running+waiting count. Returns entries released as lost.
+
+        With ``engine_waiting`` (requests the engine has not scheduled yet), entries routed more than
+        ``prefill_grace_s`` ago that are still unprefilled, beyond the ``engine_waiting`` newest of
+        them, are taken as prefilled (the engine schedules first come, first served): the fallback
+        for gateways that send no prefilled report. It cannot see a chunked prefill in progress."""
         self.add_instance(instance_id)  # an engine that reports load exists, routed to or not
         ours = self._count[instance_id]
         self._external[instance_id] = max(0, engine_requests - ours)
+        self._set_total(instance_id, ours + self._external[instance_id])
         excess = ours - engine_requests
+        if engine_waiting is not None:
+            self._infer_prefilled(instance_id, engine_waiting, prefill_grace_s)
         if excess <= 0:
             return 0
         cutoff = self._clock() - grace_s
@@ -96,18 +154,46 @@ class LoadTracker:
         self.stats["healed"] += healed
         return healed
 
+    def _infer_prefilled(self, instance_id: str, engine_waiting: int, prefill_grace_s: float) -> None:
+        cutoff = self._clock() - prefill_grace_s
+        queued = sorted(
+            (e.since, rid) for rid, e in self._requests.items()
+            if e.instance == instance_id and not e.prefilled and e.since < cutoff
+        )
+        for _, rid in queued[: max(0, len(queued) - engine_waiting)]:
+            if self.on_prefilled(rid):
+                self.stats["prefilled"] -= 1
+                self.stats["prefilled_inferred"] += 1
+
     def in_flight(self, instance_id: str) -> int:
-        return self._count.get(instance_id, 0) + self._external.get(instance_id, 0)
+        return self._total.get(instance_id, 0)
 
     def unprefilled(self, instance_id: str) -> int:
         return self._unprefilled.get(instance_id, 0)
+
+    def _set_total(self, instance_id: str, value: int) -> None:
+        self._total[instance_id] = value
+        k = self._aligned_pos.get(instance_id)
+        if k is not None:
+            self._aligned[k] = value
+
+    def loads_aligned(self, order: list[str], key: tuple[int, int]) -> list[int]:
+        """In-flight loads (colocated) for every instance of ``order``, as a fresh list.
+
+        ``key`` identifies the order (the router passes the index's identity and membership
+        counter): while it is unchanged the loads are kept laid out in that order as they change,
+        so a route copies one list instead of looking up every instance."""
+        if key != self._aligned_key:
+            self._aligned_key = key
+            self._aligned_pos = {iid: k for k, iid in enumerate(order)}
+            self._aligned = list(map(self._total.get, order, repeat(0)))
+        return self._aligned.copy()
 
     def loads(self, instance_ids: list[str], disaggregated: bool = False) -> list[int]:
         """The policy's load: in-flight requests (colocated) or unprefilled tokens (disaggregated)."""
         if disaggregated:
             return list(map(self._unprefilled.get, instance_ids, repeat(0)))
-        count, ext = self._count, self._external
-        return [count.get(i, 0) + ext.get(i, 0) for i in instance_ids]
+        return list(map(self._total.get, instance_ids, repeat(0)))
 
     def instance_of(self, request_id: str) -> str | None:
         entry = self._requests.get(request_id)

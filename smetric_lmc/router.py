@@ -1,32 +1,24 @@
 """One routing step: index lookup -> cluster view -> policy -> load accounting.
 
 The controller and the simulator both route through this class, so what is simulated is what runs.
+
+A request without a turn (a ``/v1/completions`` prompt, a client that does not count turns) is a
+follow-up when it says how much history it carries (``est_hit > 0``); otherwise the index decides:
+when the prompt's longest local hit runs past the depth other instances also hold (the shared
+prefix: system prompt, tool definitions), that extra part is a session's own history, so the
+request is a follow-up expecting that hit; else it is a first turn. ``turn_source`` on the
+decision says which case applied, and the controller counts each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.index import Lookup, TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.policy import ClusterView, Policy, make_policy
-from smetric_lmc.wire import Reason
-
-
-@dataclass(slots=True)
-class Routed:
-    instance_id: str | None
-    reason: Reason
-    policy: str
-    local_hit_tokens: int  # on the chosen instance
-    best_local_hit_tokens: int  # anywhere: the cache-loss funnel compares the two
-    global_hit_tokens: int
-    est_hit_tokens: int
-    turn: int
-    prompt_tokens: int
-    load: float  # chosen instance's load before this request
+from smetric_lmc.wire import RouteDecision, TurnSource
 
 
 class Router:
@@ -58,10 +50,14 @@ class Router:
         turn: int | None = None,
         est_hit: int | None = None,
         candidates: Sequence[str] | None = None,
-    ) -> Routed:
+    ) -> RouteDecision:
         """Decide where ``request_id`` goes and count it in flight there."""
         found = self.index.lookup(blocks, chunks)
-        return self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        routed = self.decide(request_id, found, prompt_tokens, turn=turn, est_hit=est_hit, candidates=candidates)
+        if routed.instance_id is not None and blocks:
+            # A follow-up can arrive before this prompt's KV events: credit it there meanwhile.
+            self.index.add_pending(routed.instance_id, blocks)
+        return routed
 
     def decide(
         self,
@@ -72,11 +68,9 @@ class Router:
         turn: int | None = None,
         est_hit: int | None = None,
         candidates: Sequence[str] | None = None,
-    ) -> Routed:
+    ) -> RouteDecision:
         bs = self.index.block_size
         est = (est_hit or 0) // bs * bs
-        if turn is None:  # unknown: a request that carries cached-worthy history is a follow-up
-            turn = 1 if est > 0 else 0
         order = self.index.instances
         local = found.local_hit_tokens()
         if candidates is None:
@@ -86,8 +80,15 @@ class Router:
             pos = {iid: k for k, iid in enumerate(order)}
             ids = [c for c in candidates if c in pos]
             hits = [local[pos[c]] for c in ids]
-        loads = self.load.loads(ids, self.disaggregated)
-        unpre = [float(self.load.unprefilled(i)) for i in ids] if self.policy_cfg.name == "dynamo" else None
+        source = TurnSource.REQUEST
+        if turn is None:
+            turn, est, source = _infer_turn(hits, est)
+        if candidates is None and not self.disaggregated:
+            loads = self.load.loads_aligned(order, (id(self.index), self.index.membership))
+        else:
+            loads = self.load.loads(ids, self.disaggregated)
+        policy = self._policy
+        unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         view = ClusterView(
             instances=ids,
             local_hit=hits,
@@ -100,12 +101,27 @@ class Router:
             rr=self._rr,
         )
         self._rr += 1
-        d = self._policy(view)
+        c = policy(view)
         best = max(hits, default=0)
-        if d.index < 0:
-            return Routed(None, d.reason, self.policy_cfg.name, 0, best, found.global_hit_tokens, est, turn,
-                          prompt_tokens, 0.0)
-        chosen = ids[d.index]
-        self.load.on_route(request_id, chosen, prompt_tokens, max(hits[d.index], found.global_hit_tokens))
-        return Routed(chosen, d.reason, self.policy_cfg.name, hits[d.index], best, found.global_hit_tokens, est,
-                      turn, prompt_tokens, loads[d.index])
+        if c.index < 0:
+            return RouteDecision(request_id, None, None, c.reason, policy.name, 0, found.global_hit_tokens, est, turn,
+                                 prompt_tokens, 0.0, best, source)
+        chosen = ids[c.index]
+        self.load.on_route(request_id, chosen, prompt_tokens, max(hits[c.index], found.global_hit_tokens))
+        return RouteDecision(request_id, chosen, None, c.reason, policy.name, hits[c.index], found.global_hit_tokens,
+                             est, turn, prompt_tokens, loads[c.index], best, source)
+
+
+def _infer_turn(hits: Sequence[int], est: int) -> tuple[int, int, TurnSource]:
+    """(turn, est_hit, source) for a request that carried no turn (see the module docstring)."""
+    if est > 0:
+        return 1, est, TurnSource.EST_HIT
+    best = second = 0
+    for h in hits:
+        if h > best:
+            best, second = h, best
+        elif h > second:
+            second = h
+    if best > second:
+        return 1, best, TurnSource.INDEX_FOLLOW_UP
+    return 0, 0, TurnSource.INDEX_FIRST_TURN

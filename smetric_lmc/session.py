@@ -5,24 +5,21 @@
   the last assistant message, plus ``tools`` — i.e. what the session's earlier turns should have
   left cached; the router rounds it down to the index's block size.
 
-Token counts come from a pluggable ``ChatTokenizer``: the served model's HF tokenizer and chat
-template when ``transformers`` is installed (``HFChatTokenizer``), otherwise ``ApproxChatTokenizer``.
+The gateway counts est_hit exactly whenever it can: with the served model's tokenizer and chat
+template (``HFChatTokenizer``) or an engine's ``/tokenize``. When neither answers, the one estimate
+is :class:`ChatTokenEstimator`, which calibrates itself on every exact count the gateway did get
+(``observe``), so it follows the served tokenizer rather than a guess. ``python
+bench/est_hit_error.py`` measures its error against a real tokenizer and chat template on held-out
+conversations.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 Message = dict[str, Any]
-
-
-class ChatTokenizer(Protocol):
-    def count(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> int:
-        """Token length of ``messages`` (and ``tools``) rendered by the chat template, no generation prompt."""
-        ...
 
 
 def turn_of(messages: Sequence[Message]) -> int:
@@ -38,25 +35,6 @@ def history_of(messages: Sequence[Message]) -> list[Message]:
     return list(messages[: last + 1])
 
 
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    turn: int
-    est_hit_tokens: int
-
-
-def session_info(
-    messages: Sequence[Message],
-    tools: Sequence[dict] | None,
-    tokenizer: ChatTokenizer,
-    explicit_turn: int | None = None,
-) -> SessionInfo:
-    """Turn and est_hit of a chat request; an explicit turn from the caller overrides the count."""
-    turn = turn_of(messages) if explicit_turn is None else explicit_turn
-    hist = history_of(messages)
-    est = tokenizer.count(hist, tools) if hist and turn > 0 else 0
-    return SessionInfo(turn, est)
-
-
 def _content_text(content: Any) -> str:
     if content is None:
         return ""
@@ -67,30 +45,56 @@ def _content_text(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
-class ApproxChatTokenizer:
-    """No-dependency estimate: UTF-8 bytes / ``bytes_per_token`` + a fixed per-message overhead.
+def text_bytes(messages: Sequence[Message], tools: Sequence[dict] | None) -> int:
+    """UTF-8 bytes of what a chat template renders as text: contents, tool calls, tool schemas."""
+    n = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        n += len(_content_text(m.get("content")).encode())
+        if m.get("tool_calls"):
+            n += len(json.dumps(m["tool_calls"], ensure_ascii=False).encode())
+    if tools:
+        n += len(json.dumps(list(tools), ensure_ascii=False).encode())
+    return n
 
-    BPE vocabularies of current chat models average 3.5–4.5 bytes per token on English and code; the
-    ChatML-style wrappers cost ~4–6 tokens a message. The error bound the tests check is ±25% of the
-    true count on natural text for the reference tokenizer (and it only feeds est_hit, which SMetric
-    compares against with HIT_RATIO = 0.5, so a 25% error does not flip the evicted test).
+
+class ChatTokenEstimator:
+    """Token count of chat-templated messages without a tokenizer: text bytes / bytes-per-token plus
+    a fixed cost per message (the template's role markers).
+
+    Starts at 4 bytes a token (BPE vocabularies of current chat models on English and code) and 5
+    tokens a message (ChatML-style wrappers); from the first exact count the caller observes on, the
+    rate is the served tokenizer's: text bytes over text tokens of the observations, older ones
+    weighing less (``decay`` per observation), so it follows a changed model.
     """
 
-    def __init__(self, bytes_per_token: float = 4.0, per_message: int = 5, tools_overhead: int = 10) -> None:
+    def __init__(self, bytes_per_token: float = 4.0, per_message: int = 5, decay: float = 0.98) -> None:
         self.bytes_per_token = bytes_per_token
         self.per_message = per_message
-        self.tools_overhead = tools_overhead
+        self.decay = decay  # weight of the past per observation: adapts over ~1 / (1 - decay) of them
+        self.observations = 0
+        self._bytes = 0.0
+        self._tokens = 0.0
 
-    def count(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> int:
-        nbytes = 0
-        for m in messages:
-            nbytes += len(_content_text(m.get("content")).encode())
-            if m.get("tool_calls"):
-                nbytes += len(json.dumps(m["tool_calls"], ensure_ascii=False).encode())
-        n = int(nbytes / self.bytes_per_token) + self.per_message * len(messages)
-        if tools:
-            n += self.tools_overhead + int(len(json.dumps(list(tools), ensure_ascii=False).encode()) / self.bytes_per_token)
-        return n
+    def count(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> int:
+        wrappers = self.per_message * (len(messages) + (1 if tools else 0))
+        return int(text_bytes(messages, tools) / self.bytes_per_token) + wrappers
+
+    def count_text(self, text: str) -> int:
+        """Tokens of plain text (a completions prompt)."""
+        return int(len(text.encode()) / self.bytes_per_token)
+
+    def observe(self, messages: Sequence[Message], tools: Sequence[dict] | None, tokens: int) -> None:
+        """Learn from an exact count of ``messages`` (+ ``tools``) rendered by the served template."""
+        nbytes = text_bytes(messages, tools)
+        text_tokens = tokens - self.per_message * (len(messages) + (1 if tools else 0))
+        if nbytes < 64 or text_tokens <= 0:  # too little text to say anything about the rate
+            return
+        self._bytes = self.decay * self._bytes + nbytes
+        self._tokens = self.decay * self._tokens + text_tokens
+        self.bytes_per_token = min(8.0, max(0.5, self._bytes / self._tokens))
+        self.observations += 1
 
 
 class HFChatTokenizer:
@@ -105,7 +109,7 @@ class HFChatTokenizer:
         ids = self.tok.apply_chat_template(
             list(messages), tools=list(tools) if tools else None, tokenize=True, add_generation_prompt=generation
         )
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 

@@ -4,9 +4,10 @@ Every message is a msgpack map or a JSON object whose ``type`` field names the m
 in any language can speak it: the controller detects the encoding of each request from its first
 byte (``{`` is JSON, anything else msgpack) and answers in kind.
 
-Requests (gateway -> controller): ``route``, ``done``, ``stats``, ``health``, ``instances``.
-Replies (controller -> gateway): ``decision``, ``done_ack``, ``stats_reply``, ``health_reply``,
-``instances_reply``, ``error``.
+Requests (gateway -> controller): ``route``, ``prefilled`` (optional), ``done``, ``stats``,
+``health``, ``instances``.
+Replies (controller -> gateway): ``decision``, ``prefilled_ack``, ``done_ack``, ``stats_reply``,
+``health_reply``, ``instances_reply``, ``error``.
 
 The prompt of a ``route`` may be given as token ids (the controller hashes them) or as precomputed
 prefix-chained block hashes, one chain per hash scheme (see ``smetric_lmc.hashing``), so that only
@@ -40,6 +41,15 @@ class Reason(str, Enum):
     CACHE_FIRST = "cache_first"
 
 
+class TurnSource(str, Enum):
+    """Where a decision's turn came from; every value but ``request`` is a route that had no turn."""
+
+    REQUEST = "request"  # the route request carried it
+    EST_HIT = "est_hit"  # no turn, est_hit_tokens > 0: a follow-up
+    INDEX_FOLLOW_UP = "index_follow_up"  # no turn: the longest local hit runs past the shared prefix
+    INDEX_FIRST_TURN = "index_first_turn"  # no turn: nothing beyond the shared prefix is cached
+
+
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=False):
     pass
 
@@ -47,9 +57,12 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_de
 class HashChain(msgspec.Struct, forbid_unknown_fields=True):
     """A prompt's prefix-chained block hashes in one hash scheme."""
 
-    scheme: str  # "fast" | "lmcache_builtin" | "lmcache_sha256_cbor" | "vllm_sha256_cbor"
+    scheme: str  # "fast" | "lmcache_builtin" | "lmcache_sha256_cbor"
     block_size: int
     hashes: list[int]
+    # The chain's root (fast_root or LMCache NONE_HASH) the sender hashed from; when given, the
+    # controller refuses the route ("hash_mismatch") unless it is the index's own root.
+    root: int | None = None
 
 
 class RouteRequest(_Msg, tag="route"):
@@ -58,7 +71,7 @@ class RouteRequest(_Msg, tag="route"):
     token_ids: list[int] | None = None
     hashes: list[HashChain] = []
     prompt_tokens: int | None = None  # defaults to len(token_ids)
-    turn: int | None = None  # explicit turn; None = unknown -> treated as a follow-up only if est_hit > 0
+    turn: int | None = None  # explicit turn; None = unknown: inferred (see TurnSource, README "Unknown turns")
     est_hit_tokens: int | None = None
     version: int = WIRE_VERSION
 
@@ -75,6 +88,15 @@ class DoneReport(_Msg, tag="done"):
     version: int = WIRE_VERSION
 
 
+class PrefilledReport(_Msg, tag="prefilled"):
+    """The request's first output token arrived: its prompt no longer waits for prefill. Optional;
+    without it the controller infers prefill progress from the engines' /metrics."""
+
+    request_id: str
+    instance_id: str | None = None
+    version: int = WIRE_VERSION
+
+
 class StatsRequest(_Msg, tag="stats"):
     version: int = WIRE_VERSION
 
@@ -88,23 +110,34 @@ class InstancesRequest(_Msg, tag="instances"):
 
 
 class RouteDecision(_Msg, tag="decision"):
+    """Where a request goes and why: the router's result, the simulator's, and the wire reply."""
+
     request_id: str
     instance_id: str | None
     endpoint: str | None
     reason: Reason
     policy: str
-    local_hit_tokens: int = 0
+    local_hit_tokens: int = 0  # on the chosen instance
     global_hit_tokens: int = 0
     est_hit_tokens: int = 0
     turn: int = 0
     prompt_tokens: int = 0
-    load: float = 0.0
+    load: float = 0.0  # the chosen instance's load before this request
+    best_local_hit_tokens: int = 0  # anywhere: the cache-loss funnel compares it with local_hit_tokens
+    turn_source: TurnSource = TurnSource.REQUEST
+    index_ready: bool = True  # False: no KV data indexed yet, so the decision was a load-balance pick
     version: int = WIRE_VERSION
 
 
 class DoneAck(_Msg, tag="done_ack"):
     request_id: str
     released: bool
+    version: int = WIRE_VERSION
+
+
+class PrefilledAck(_Msg, tag="prefilled_ack"):
+    request_id: str
+    applied: bool  # False: not in flight (already done, unknown) or already prefilled
     version: int = WIRE_VERSION
 
 
@@ -137,14 +170,14 @@ class StatsReply(_Msg, tag="stats_reply"):
 
 
 class ErrorReply(_Msg, tag="error"):
-    code: str  # "bad_request" | "unsupported_version" | "too_large" | "internal"
+    code: str  # "bad_request" | "unsupported_version" | "too_large" | "hash_mismatch" | "internal"
     message: str
     request_id: str | None = None
     version: int = WIRE_VERSION
 
 
-Request = RouteRequest | DoneReport | StatsRequest | HealthRequest | InstancesRequest
-Reply = RouteDecision | DoneAck | StatsReply | HealthReply | InstancesReply | ErrorReply
+Request = RouteRequest | DoneReport | PrefilledReport | StatsRequest | HealthRequest | InstancesRequest
+Reply = RouteDecision | DoneAck | PrefilledAck | StatsReply | HealthReply | InstancesReply | ErrorReply
 
 
 class WireError(ValueError):

@@ -24,12 +24,17 @@ import pytest
 
 from smetric_lmc.workers import launch
 
-REPO_ROOT = launch.REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_path() -> Path:
+    """$SMETRIC_SHARED, else the ``shared`` folder beside the repository."""
+    return Path(os.environ.get("SMETRIC_SHARED", REPO_ROOT.parent / "shared"))
 
 
 def shared_dir() -> Path:
     """The shared reference data (fixtures, traces); skips the test if absent."""
-    path = launch.shared_dir()
+    path = shared_path()
     if not path.is_dir():
         pytest.skip(f"shared reference data not found at {path} (set SMETRIC_SHARED)")
     return path

@@ -67,3 +67,30 @@ def test_lmcache_root_by_kind_matches_the_recorded_roots():
     builtin = parse_config({"hashing": {"lmcache_root": "vllm_builtin", "lmcache_root_seed": "0"}})
     assert builtin.hashing.lmcache_root_value() == 5313149338359954478
     assert parse_config({"hashing": {"lmcache_root": 42}}).hashing.lmcache_root_value() == 42
+
+
+def test_sim_config_and_profiles_share_the_loader(tmp_path):
+    from smetric_lmc.sim.config import load_sim_config
+    from smetric_lmc.sim.profile import load_profile
+
+    # An explicitly given file that does not exist is an error, never silent defaults.
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_sim_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "sim.yaml"
+    bad.write_text("slo:\n  tpot_s: fast\n")
+    with pytest.raises(ConfigError, match=r"sim.yaml: slo.tpot_s: Expected `float`"):
+        load_sim_config(bad)
+    bad.write_text("instances: [1\n")
+    with pytest.raises(ConfigError, match="line 2, column 1: invalid YAML"):
+        load_sim_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_profile("no-such-profile")
+    # The defaults ship with the package: no repository checkout needed to find them.
+    assert load_sim_config().instances == 32 and load_profile().name
+
+
+def test_packaged_configs_are_the_repository_files():
+    from smetric_lmc.config import packaged_config
+
+    for name in ("smetric.yaml", "sim.yaml", "profiles/qwen3-30b-a3b-h20.yaml", "lmcache/worker-redis.yaml"):
+        assert packaged_config(name).read_text() == (REPO / "configs" / name).read_text()

@@ -32,6 +32,7 @@ from smetric_lmc.client import AsyncRouteClient, RouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.hashing import fast_chain
+from smetric_lmc.index import TierIndex
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 
@@ -56,6 +57,23 @@ def base_config(**over: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
+
+
+class StaleMarkingIndex(TierIndex):
+    """Test double for an index without ``mark_stale`` yet: records each mark, keeps every entry."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.stale_marked: list[str] = []
+
+    def mark_stale(self, instance_id: str) -> None:
+        self.stale_marked.append(instance_id)
+
+
+@pytest.fixture(autouse=True)
+def index_with_stale_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(TierIndex, "mark_stale"):
+        monkeypatch.setattr("smetric_lmc.controller.app.TierIndex", StaleMarkingIndex)
 
 
 @pytest.fixture
@@ -230,9 +248,11 @@ async def test_recorded_vllm_events_drive_the_route_decision(running: Callable[.
                 health = await r.json()
                 status = r.status
         assert 'smetric_route_decisions_total{policy="smetric",reason="sticky"} 2.0' in text
-        assert 'smetric_kv_events_total{instance="a",kind="blocks_stored"} 147.0' in text
-        assert 'smetric_kv_event_gaps_total{instance="a"} 1.0' in text
-        assert 'smetric_route_fallbacks_total{kind="degraded"} 1.0' in text
+        assert 'smetric_kv_event_blocks_total{backend="a",op="stored"} 147.0' in text
+        assert 'smetric_kv_events_total{backend="a",kind="AllBlocksCleared"} 1.0' in text
+        assert 'kind="blocks_stored"' not in text  # blocks have their own family
+        assert 'smetric_kv_event_gaps_total{backend="a"} 1.0' in text
+        assert 'smetric_route_fallbacks_total{kind="index_not_ready"} 1.0' in text
         assert 'smetric_route_hit_tokens_total{tier="local_chosen"} 352.0' in text
         assert "smetric_route_latency_seconds_bucket" in text
         assert status == 200 and health["ok"] and health["index_ready"] and health["routable_instances"] == 2
@@ -259,19 +279,35 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
             )
         )
         assert sorted(app.routable()) == ["a", "b"]
+        # b served a session before it went silent: its blocks are in b's index.
+        session = list(range(1000, 1000 + 32 * 8))
+        app.index.gpu_stored("b", list(range(8)), None, session, 32)
         await wait_for(lambda: app.routable() == ["a"], 3.0, "b to leave routing")
+        # Out of routing, but its index is kept (marked stale), not wiped.
+        assert app.index.gpu_blocks_of("b") == 8
+        stale = getattr(app.index, "stale_marked", None)
+        assert stale == ["b"] if stale is not None else app.index.is_stale("b")
         assert app.poller is not None and app.poller.healthy("b") is False and app.poller.healthy("a") is True
         async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
             chosen = set()
             for k in range(8):
                 chosen.add((await client.route(f"r{k}", token_ids=[k] * 40, turn=0)).instance_id)
                 await client.done(f"r{k}")
+            follow_up = session + [7] * 40
+            # (another continuation: f0's prompt counts as pending on a, and f1 must not extend it)
+            d = await client.route("f0", token_ids=session + [8] * 40, turn=2, est_hit_tokens=len(session))
+            assert d.instance_id == "a" and d.reason.value == "evicted_fallback"  # b is not a candidate
+            await client.done("f0")
             assert chosen == {"a"}
             assert (await client.health()).routable_instances == 1
             infos = {i.id: i for i in await client.instances()}
             assert infos["b"].routable is False and infos["a"].routable is True
             await engine_b.start()
             await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 3.0, "b to come back")
+            # The session's KV is still on b: its next turn sticks there instead of rebalancing.
+            d = await client.route("f1", token_ids=follow_up, turn=2, est_hit_tokens=len(session))
+            assert (d.instance_id, d.reason.value, d.local_hit_tokens) == ("b", "sticky", len(session))
+            await client.done("f1")
             chosen = set()
             for k in range(8):
                 chosen.add((await client.route(f"s{k}", token_ids=[k] * 40, turn=0)).instance_id)

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from smetric_lmc.config import InstanceConfig, PolicyConfig
-from smetric_lmc.controller.service import HashSettings, RouteCore, RouteService, split_envelope
-from smetric_lmc.hashing import fast_chain, fast_root, lmcache_chunk_chain
+from smetric_lmc.controller.service import RouteCore, RouteService, split_envelope
+from smetric_lmc.hashing import HashSettings, fast_chain, fast_root, lmcache_chunk_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
@@ -234,10 +234,13 @@ def test_bad_frames_get_error_replies(dealer: zmq.Socket, payload: bytes, code: 
 
 
 def test_error_reply_names_the_request_and_speaks_json(dealer: zmq.Socket) -> None:
-    raw = ask(dealer, b'{"type":"route","request_id":"bad-1","token_ids":[1],"turn":"two"}')
+    raw = ask(dealer, b'{"type":"route","request_id":"bad-1","token_ids":[1],"turn":-2}')
     reply = decode_reply(raw)
     assert raw[:1] == b"{" and isinstance(reply, ErrorReply)
     assert reply.code == "bad_request" and reply.request_id == "bad-1" and "turn" in reply.message
+    # A frame the schema rejects is not decoded a second time to find its request_id.
+    reply = decode_reply(ask(dealer, b'{"type":"route","request_id":"bad-2","token_ids":[1],"turn":"two"}'))
+    assert isinstance(reply, ErrorReply) and reply.request_id is None and "turn" in reply.message
 
 
 def test_oversize_frame_is_rejected_before_decoding() -> None:
@@ -368,8 +371,8 @@ def test_disaggregated_routes_only_to_prefill_capable_instances() -> None:
     seed(core, "i0", PROMPT)  # the decode instance holds the prefix, but takes no new requests
     with ServiceThread(core) as st, connect_dealer(st.endpoint) as s:
         chosen = set()
-        for k in range(6):
-            d = decode_reply(ask(s, encode(route_req(f"p{k}"))))
+        for k in range(6):  # distinct last blocks: none extends another's pending prompt
+            d = decode_reply(ask(s, encode(route_req(f"p{k}", token_ids=PROMPT[: 39 * BS] + [50_000 + k] * BS))))
             assert isinstance(d, RouteDecision)
             chosen.add(d.instance_id)
         assert chosen == {"i1", "i2"}
@@ -398,6 +401,26 @@ def test_curve_on_and_off() -> None:
     assert core.counters["route"] == 1  # neither unauthenticated request reached the handler
     with ServiceThread(make_core()) as st2, RouteClient(st2.endpoint, timeout_s=3.0) as c2:
         assert c2.health().routable_instances == 2
+
+
+def test_curve_allow_list_refuses_unknown_clients_clearly() -> None:
+    from smetric_lmc.client import RouteClient, RouteRefused
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())
+    core = make_core()
+    with ServiceThread(core, curve_secret_key=secret, curve_public_key=public, curve_client_keys=[known_pub]) as st:
+        with RouteClient(st.endpoint, curve_server_key=public, curve_public_key=known_pub,
+                         curve_secret_key=known_sec, timeout_s=3.0) as c:
+            assert c.health().ok
+        # A self-made keypair is encrypted fine but not on the list: refused, and the client says so.
+        with RouteClient(st.endpoint, curve_server_key=public, timeout_s=1.0) as stranger, \
+                pytest.raises(RouteRefused, match="refused"):
+            stranger.health()
+        with RouteClient(st.endpoint, timeout_s=1.0) as plain, pytest.raises(RouteRefused, match="CURVE"):
+            plain.health()
+        assert st.service is not None and st.service.curve_counts["curve_refused"] >= 1
+    assert core.counters["health"] == 1
 
 
 def test_curve_needs_both_keys() -> None:

@@ -9,6 +9,7 @@ vLLM; tests/e2e/test_e2e_routing.py runs the same gateway against real vLLM engi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +23,7 @@ from aiohttp import web
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.gateway import Gateway
-from smetric_lmc.hashing import fast_chain
+from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain, lmcache_root
 from smetric_lmc.wire import DoneReport
 from smetric_lmc.workers.launch import free_ports
 
@@ -56,6 +57,7 @@ class FakeEngine:
     release_stream: asyncio.Event = field(default_factory=asyncio.Event)
     hold_stream: bool = False
     die_mid_stream: bool = False
+    tokenize_broken: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -77,6 +79,8 @@ class FakeEngine:
             await self.runner.cleanup()
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenize_broken:
+            return web.json_response({"error": "tokenizer unavailable"}, status=503)
         body = await request.json()
         if "messages" in body:
             text = render(body["messages"], body.get("add_generation_prompt", True))
@@ -156,7 +160,8 @@ StackFactory = Callable[..., Any]
 async def make_stack() -> AsyncIterator[StackFactory]:
     cleanups: list[Any] = []
 
-    async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False) -> Stack:
+    async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
+                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -165,13 +170,15 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         if dead_instance:  # nothing listens there: connect errors
             instances.insert(0, {"id": "dead", "http": f"http://127.0.0.1:{free_ports(1)[0]}"})
         route_port = free_ports(1)[0]
-        cfg = parse_config({
+        raw = {
             "model": "tiny",
             "hashing": {"block_size": BLOCK},
             "instances": instances,
             "server": {"route_url": f"tcp://127.0.0.1:{route_port}"},
             "load": {"metrics_poll_s": 0},
-        })
+            **(extra or {}),
+        }
+        cfg = parse_config(raw)
         app = None
         if controller:
             app = ControllerApp(cfg, enable_metrics_http=False)
@@ -186,7 +193,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 return original(req)
 
             app.core._done = spy  # type: ignore[method-assign]
-        gw = Gateway(cfg, route_timeout_s=0.3, controller_retry_s=30.0)
+        gw_cfg = parse_config({**raw, "hashing": gateway_hashing}) if gateway_hashing is not None else cfg
+        gw = Gateway(gw_cfg, route_timeout_s=0.3, controller_retry_s=30.0)
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]
@@ -240,6 +248,9 @@ async def test_sse_stream_passes_through_byte_for_byte_as_it_arrives(make_stack:
     assert first + rest == b"".join(SSE_EVENTS)
     (done,) = await s.wait_dones(1)
     assert (done.prompt_tokens, done.output_tokens, done.cached_tokens, done.ok) == (70, 2, 48, True)
+    # The first streamed bytes told the controller the prompt was prefilled.
+    assert s.controller is not None and s.controller.core.counters["prefilled"] == 1
+    assert s.gateway.counters["prefilled_reports"] == 1 and s.controller.load.stats["prefilled"] == 1
     assert done.ttft_s is not None and done.ttft_s <= done.e2e_s  # type: ignore[operator]
 
 
@@ -263,6 +274,73 @@ async def test_follow_up_sticks_where_the_index_holds_its_history(make_stack: St
     # An explicit turn overrides the count: turn 0 balances instead of sticking.
     resp = await s.chat(follow, headers={"X-SMetric-Turn": "0"})
     assert resp.headers["X-SMetric-Turn"] == "0" and resp.headers["X-SMetric-Reason"] == "first_turn"
+
+
+LONG = [{"role": "system", "content": "You are a careful assistant. " * 20},
+        {"role": "user", "content": "Summarise the plan in one line."},
+        {"role": "assistant", "content": "Plan: do it."}, {"role": "user", "content": "Again, shorter."}]
+
+
+async def test_lmcache_chunks_are_hashed_from_the_resolved_root(make_stack: StackFactory) -> None:
+    # LMCache's NONE_HASH given by kind: the gateway must hash chunks from the same int root the
+    # controller resolved, or every LMCache-tier hit of a gateway request reads as zero.
+    p1, p2 = free_ports(2)
+    extra = {"hashing": {"block_size": BLOCK, "lmcache_root": "vllm_sha256_cbor", "lmcache_root_seed": "0"},
+             "lmcache": {"enabled": True, "pull_url": f"tcp://127.0.0.1:{p1}", "reply_url": f"tcp://127.0.0.1:{p2}"}}
+    s: Stack = await make_stack(extra=extra)
+    assert s.controller is not None
+    hs = s.controller.hashing
+    assert hs.lmcache_root == lmcache_root("vllm_sha256_cbor", seed="0") and s.gateway.hashing == hs
+    hist_ids = tokens_of(render(LONG[:3], False))
+    assert len(hist_ids) >= 2 * hs.chunk_size
+    # Only the LMCache tier of e1 holds the history (its GPU blocks were evicted).
+    s.controller.index.lmcache_admit("e1", lmcache_chunk_chain(hist_ids, hs.chunk_size, root=hs.lmcache_root))
+    resp = await s.chat(LONG)
+    h = resp.headers
+    assert (h["X-SMetric-Instance"], h["X-SMetric-Reason"]) == ("e1", "sticky")
+    assert int(h["X-SMetric-Local-Hit"]) == len(hist_ids) // hs.chunk_size * hs.chunk_size
+
+
+async def test_gateway_adopts_the_controllers_hashing_and_recovers_from_a_mismatch(
+    make_stack: StackFactory,
+) -> None:
+    s: Stack = await make_stack(gateway_hashing={"block_size": BLOCK, "fast_namespace": "another-model"})
+    assert s.controller is not None
+    assert s.gateway.hashing == s.controller.hashing  # adopted at start, every field
+    hist_ids = tokens_of(render(LONG[:3], False))
+    index = s.controller.index
+    index.gpu_stored_hashes("e1", fast_chain(hist_ids, BLOCK, root=index.fast_root))
+    # The controller restarted with other settings than the gateway adopted (here: the gateway's
+    # copy is made stale): its route is refused, counted and logged, then hashed again and routed.
+    s.gateway.hashing = dataclasses.replace(s.gateway.hashing, fast_root=index.fast_root ^ 1)
+    resp = await s.chat(LONG)
+    assert (resp.headers["X-SMetric-Instance"], resp.headers["X-SMetric-Reason"]) == ("e1", "sticky")
+    assert s.gateway.counters["hash_mismatch"] == 1 and s.controller.core.counters["hash_mismatch"] == 1
+    assert s.gateway.hashing == s.controller.hashing
+
+
+def chat_with_history(k: int) -> list[dict[str, Any]]:
+    words = " ".join(f"word{(k * 7 + j) % 50}" for j in range(90))
+    return [{"role": "system", "content": f"Session {k}. " + words},
+            {"role": "user", "content": words[::-1]}, {"role": "assistant", "content": words.upper()},
+            {"role": "user", "content": "And then?"}]
+
+
+async def test_untokenized_history_is_estimated_by_the_one_calibrated_estimator(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for k in range(6):  # engines tokenize these: exact counts, each also calibrates the estimate
+        resp = await s.chat(chat_with_history(k))
+        exact = len(tokens_of(render(chat_with_history(k)[:3], False)))
+        assert int(resp.headers["X-SMetric-Est-Hit"]) == exact // BLOCK * BLOCK
+    for e in s.engines:
+        e.tokenize_broken = True
+    msgs = chat_with_history(99)
+    resp = await s.chat(msgs)
+    assert resp.status == 200
+    true = len(tokens_of(render(msgs[:3], False)))  # what the served tokenizer would count
+    est = int(resp.headers["X-SMetric-Est-Hit"])
+    assert abs(est - true) <= 0.15 * true, (est, true)
+    assert s.gateway._reader is not None and s.gateway._reader.estimator.observations >= 6
 
 
 async def test_5xx_is_retried_once_on_another_instance(make_stack: StackFactory) -> None:
@@ -298,7 +376,16 @@ async def test_connect_error_is_retried_and_both_failing_gives_502(make_stack: S
 async def test_controller_down_falls_back_to_round_robin(make_stack: StackFactory) -> None:
     s: Stack = await make_stack(controller=False)
     seen = []
-    t0 = time.monotonic()
+    assert s.gateway._client is not None
+    asked = 0
+    route = s.gateway._client.route
+
+    async def counting_route(*a: Any, **kw: Any) -> Any:
+        nonlocal asked
+        asked += 1
+        return await route(*a, **kw)
+
+    s.gateway._client.route = counting_route  # type: ignore[method-assign]
     for _ in range(4):
         resp = await s.chat(MSGS)
         assert resp.status == 200
@@ -306,8 +393,32 @@ async def test_controller_down_falls_back_to_round_robin(make_stack: StackFactor
         assert resp.headers["X-SMetric-Reason"] == "gateway_round_robin"
         seen.append(resp.headers["X-SMetric-Instance"])
     assert sorted(seen) == ["e0", "e0", "e1", "e1"]
-    # Only the first request waited for the route timeout (0.3 s); the rest skipped the controller.
-    assert time.monotonic() - t0 < 1.5
+    # Only the first request waited for the route timeout; the rest skipped the controller.
+    assert asked == 1
+
+
+async def test_completions_without_turn_stay_where_their_prompt_is_cached(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    assert s.controller is not None
+    index = s.controller.index
+    prompt = "Once upon a time, " * 4
+    homes = []
+    for t in range(4):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        resp = await s.http.post(f"{s.base}/v1/completions", json=body)
+        assert resp.status == 200
+        h = resp.headers
+        homes.append(h["X-SMetric-Instance"])
+        assert h["X-SMetric-Turn-Source"] == ("index_first_turn" if t == 0 else "index_follow_up")
+        if t > 0:  # (the first route found the index still empty, and balanced by load alone)
+            assert h["X-SMetric-Reason"] == "sticky"
+        await s.wait_dones(t + 1)
+        # What the engine's KV events would report: it cached the prompt it served.
+        index.gpu_stored_hashes(h["X-SMetric-Instance"], fast_chain(tokens_of(prompt), BLOCK, root=index.fast_root))
+        prompt += f" and then chapter {t} went on for a while."
+    assert len(set(homes)) == 1, homes
+    stats = s.controller.metrics.turn_sources
+    assert stats.labels(source="index_follow_up")._value.get() == 3
 
 
 async def test_models_completions_and_bad_requests(make_stack: StackFactory) -> None:

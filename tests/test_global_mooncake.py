@@ -21,7 +21,7 @@ from helpers import RecorderSink, wait_for
 from services import MooncakeMaster, fixture_path, free_port
 
 from smetric_lmc.controller.global_mooncake import MooncakeGlobalTier, open_store_probe
-from smetric_lmc.lmcache_keys import ChunkPresence, format_key
+from smetric_lmc.controller.lmcache_keys import ChunkPresence, format_key
 
 MODEL = "tiny/qwen2"
 

@@ -18,7 +18,7 @@ from smetric_lmc.controller.global_redis import (
     merged_notify_flags,
     scan_pattern,
 )
-from smetric_lmc.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, format_key
+from smetric_lmc.controller.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, format_key
 
 MODEL = "tiny/qwen2"
 

@@ -5,8 +5,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from smetric_lmc.controller.vllm_events import BlockStored, EventBatch, apply_batch
 from smetric_lmc.hashing import fast_chain
-from smetric_lmc.index import TierIndex
+from smetric_lmc.index import TierIndex, adapter_root, fold_extra
 
 
 def make(n=3, bs=16, cs=64):
@@ -67,14 +68,175 @@ def test_global_tier_contiguous():
     assert ix.lookup([], [1, 2, 3, 4]).global_chunks == 3
 
 
-def test_orphans_and_unknown_instances_are_counted_not_applied():
+def test_unknown_instances_and_bad_blocks_are_counted_not_applied():
     ix = make()
-    assert ix.gpu_stored("i0", [5], 999, list(range(16)), 16) == 0
-    assert ix.stats["gpu_orphans"] == 1
     assert ix.gpu_stored("nope", [5], None, list(range(16)), 16) == 0
     assert ix.stats["unknown_instance"] == 1
     assert ix.gpu_stored("i0", [5], None, list(range(15)), 16) == 0  # tokens do not fill the block
     assert ix.stats["bad_block_size"] == 1
+
+
+# ---- issue: engine-hash aliases per instance; LoRA / extra keys ---------------------------------
+def test_engine_hash_aliases_are_kept_per_instance():
+    """Two engines hash the same tokens differently (another PYTHONHASHSEED or hash algo): each
+    resolves its own parent links and removals."""
+    ix = make()
+    toks = list(range(64))
+    chain = fast_chain(toks, 16)
+    ix.gpu_stored("i0", [100, 101], None, toks[:32], 16)
+    ix.gpu_stored("i1", [200, 201], None, toks[:32], 16)
+    ix.gpu_stored("i1", [202, 203], 201, toks[32:], 16)  # parent given in i1's own hash space
+    assert ix.lookup(chain).gpu_blocks == [2, 4, 0]
+    assert ix.gpu_removed("i1", [201]) == 1  # i1's removal of its block 1 cuts its blocks 1..3
+    assert ix.lookup(chain).gpu_blocks == [2, 1, 0]
+    assert ix.stats["gpu_unknown_removed"] == 0
+    ix.gpu_removed("i0", [200])  # another engine's hash means nothing for i0
+    assert ix.lookup(chain).gpu_blocks == [2, 1, 0]
+    ix.gpu_removed("i0", [100])
+    assert ix.lookup(chain).gpu_blocks == [0, 1, 0]
+
+
+def test_lora_adapters_never_share_blocks_and_routes_find_their_adapter():
+    ix = make()
+    toks = list(range(64))
+    ix.gpu_stored("i0", [1, 2, 3, 4], None, toks, 16, lora_name="sql-lora")
+    ix.gpu_stored("i1", [5, 6, 7, 8], None, toks, 16)
+    ix.gpu_stored("i2", [9, 10, 11, 12], None, toks, 16, lora_name="chat-lora")
+    base = fast_chain(toks, 16, root=ix.root_for("base-model"))
+    sql = fast_chain(toks, 16, root=ix.root_for("sql-lora"))
+    assert ix.lookup(base).gpu_blocks == [0, 4, 0]
+    assert ix.lookup(sql).gpu_blocks == [4, 0, 0]
+    assert ix.root_for("sql-lora") == adapter_root(ix.fast_root, "sql-lora") != ix.fast_root
+    # the adapter's chain continues under its parent like any other
+    ix.gpu_stored("i0", [13], 4, list(range(64, 80)), 16, lora_name="sql-lora")
+    assert ix.lookup(fast_chain(list(range(80)), 16, root=ix.root_for("sql-lora"))).gpu_blocks == [5, 0, 0]
+
+
+def test_lora_events_from_the_wire_land_in_the_adapters_chain():
+    ix = make(2)
+    toks = list(range(32))
+    ev = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks, block_size=16,
+                     lora_name="sql-lora", extra_keys=[("sql-lora",), ("sql-lora",)])
+    apply_batch(EventBatch(ts=0.0, events=[ev]), ix, "i0")
+    assert ix.lookup(fast_chain(toks, 16, root=ix.fast_root)).gpu_blocks == [0, 0]
+    assert ix.lookup(fast_chain(toks, 16, root=ix.root_for("sql-lora"))).gpu_blocks == [2, 0]
+
+
+def test_extra_keys_keep_multimodal_blocks_apart():
+    ix = make()
+    toks = list(range(32))
+    ix.gpu_stored("i0", [1, 2], None, toks, 16, extra_keys=[("img-a", 0), None])
+    ix.gpu_stored("i1", [3, 4], None, toks, 16, extra_keys=[("img-b", 0), None])
+    ix.gpu_stored("i2", [5, 6], None, toks, 16)
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [0, 0, 2]
+    h0 = fold_extra(fast_chain(toks[:16], 16)[0], ("img-a", 0))
+    assert ix.lookup([h0, fast_chain(toks[16:], 16, root=h0)[0]]).gpu_blocks == [2, 0, 0]
+
+
+# ---- issue: wipes that can be undone --------------------------------------------------------
+def clocked(n=2, **kw):
+    clock = [0.0]
+    ix = TierIndex(16, 64, clock=lambda: clock[0], **kw)
+    for k in range(n):
+        ix.register_instance(f"i{k}")
+    return ix, clock
+
+
+def test_marked_stale_entries_are_still_credited_and_reported():
+    ix, clock = clocked(stale_ttl_s=60)
+    toks = list(range(96))
+    chain = fast_chain(toks, 16)
+    ix.gpu_stored("i0", [1, 2, 3, 4], None, toks[:64], 16)
+    ix.gpu_stored("i1", [1, 2], None, toks[:32], 16)
+    assert ix.mark_stale("i0") == 4
+    assert ix.is_stale("i0") and ix.stale_instances() == ["i0"]
+    found = ix.lookup(chain)
+    assert found.local_hit_tokens() == [64, 32]
+    assert found.stale_hit_tokens() == [64, 0]
+    # the engine stores a new block under block 3: blocks 0..4 are all fresh again
+    ix.gpu_stored("i0", [5], 4, toks[64:80], 16)
+    found = ix.lookup(chain)
+    assert found.gpu_blocks == [5, 2] and found.stale_hit_tokens() == [0, 0]
+    assert not ix.is_stale("i0")
+    # a removal still cuts the prefix, stale or not
+    ix.mark_stale("i0")
+    ix.gpu_removed("i0", [3])
+    assert ix.lookup(chain).gpu_blocks == [2, 2]
+
+
+def test_stale_entries_not_stored_again_are_dropped_after_the_ttl():
+    ix, clock = clocked(stale_ttl_s=60, sweep_rows=2)
+    toks = list(range(96))
+    ix.gpu_stored("i0", [1, 2, 3], None, toks[:48], 16)
+    other = list(range(1000, 1064))
+    ix.gpu_stored("i0", [7, 8, 9, 10], None, other, 16)
+    ix.mark_stale("i0")
+    clock[0] = 30
+    ix.gpu_stored("i0", [7, 8], None, other[:32], 16)  # re-stored: fresh
+    clock[0] = 61
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [0, 0]
+    assert ix.lookup(fast_chain(other, 16)).gpu_blocks == [2, 0]
+    assert ix.stats["gpu_stale_dropped"] == 5 and ix.gpu_blocks_of("i0") == 2
+    # the emptied rows are freed a bounded slice at a time, never in one pass
+    assert ix.sizes()["gpu_nodes"] > 2
+    while ix._tree.garbage:
+        ix.maintain()
+    assert ix.sizes()["gpu_nodes"] == 2
+
+
+def test_gpu_cleared_clears_stale_entries_for_real():
+    ix, clock = clocked()
+    toks = list(range(32))
+    ix.gpu_stored("i0", [1, 2], None, toks, 16)
+    ix.mark_stale("i0")
+    ix.gpu_cleared("i0")
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [0, 0]
+    assert not ix.is_stale("i0") and ix.gpu_blocks_of("i0") == 0 and ix.sizes()["gpu_nodes"] == 0
+
+
+def test_blocks_under_an_unknown_parent_are_kept_and_credited_once_it_reappears():
+    ix, clock = clocked()
+    toks = list(range(64))
+    chain = fast_chain(toks, 16)
+    # the events for blocks 0..1 were lost (a gap): 2..3 arrive under an unknown parent
+    assert ix.gpu_stored("i0", [3, 4], 2, toks[32:], 16) == 0
+    assert ix.stats["gpu_orphans"] == 2 and ix.stats["gpu_orphans_waiting"] == 2
+    assert ix.lookup(chain).gpu_blocks == [0, 0]
+    ix.gpu_stored("i0", [1, 2], None, toks[:32], 16)  # the parent chain reappears
+    assert ix.lookup(chain).gpu_blocks == [4, 0]
+    assert ix.stats["gpu_orphans_adopted"] == 2 and ix.stats["gpu_orphans_waiting"] == 0
+    ix.gpu_removed("i0", [4])  # the adopted blocks resolve like any other
+    assert ix.lookup(chain).gpu_blocks == [3, 0]
+
+
+def test_orphans_of_a_removed_block_or_past_their_ttl_are_dropped():
+    ix, clock = clocked(orphan_ttl_s=10)
+    toks = list(range(64))
+    ix.gpu_stored("i0", [3, 4], 2, toks[32:], 16)
+    ix.gpu_removed("i0", [4])  # removed while waiting: only block 3 is left to adopt
+    clock[0] = 11
+    ix.gpu_stored("i0", [1, 2], None, toks[:32], 16)
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [2, 0]
+    assert ix.stats["gpu_orphans_dropped"] == 2 and ix.stats["gpu_orphans_adopted"] == 0
+
+
+# ---- issue: a fast follow-up can beat its own KV events ----------------------------------------
+def test_pending_prompt_is_credited_until_confirmed_or_expired():
+    ix, clock = clocked(pending_ttl_s=5)
+    toks = list(range(64))
+    chain = fast_chain(toks, 16)
+    follow = fast_chain(toks + list(range(500, 532)), 16)
+    assert ix.add_pending("i1", chain)
+    assert ix.lookup(follow).local_hit_tokens() == [0, 64]
+    assert ix.lookup(chain[:2]).local_hit_tokens() == [0, 0]  # a partial overlap waits for events
+    ix.gpu_stored("i1", [1, 2, 3, 4], None, toks, 16)  # the engine confirms it
+    assert ix.stats["pending_confirmed"] == 1 and ix.stats["pending_open"] == 0
+    assert ix.lookup(follow).local_hit_tokens() == [0, 64]
+    assert not ix.add_pending("i1", chain)  # already held: nothing pending
+    ix.add_pending("i0", chain)
+    clock[0] = 5
+    assert ix.lookup(follow).local_hit_tokens() == [0, 64]
+    assert ix.stats["pending_expired"] == 1 and ix.stats["pending_added"] == 2
 
 
 def test_drop_instance_frees_its_slot_and_blocks():
@@ -90,18 +252,36 @@ def test_drop_instance_frees_its_slot_and_blocks():
 
 # ---- model-based: bisection over complete masks == walking a naive per-instance model -------
 class Naive:
-    """Per instance: the set of held blocks, contiguous from the root (a child needs its parent)."""
+    """Per instance: held blocks (contiguous from the root), the fresh part of them, runs waiting
+    for their parent, and pending routed prompts."""
 
     def __init__(self, parent):
         self.parent = parent
         self.held: dict[str, set[int]] = {}
+        self.fresh: dict[str, set[int]] = {}
+        self.waiting: dict[str, list[tuple[int, list[int]]]] = {}
+        self.pending: dict[str, dict[int, float]] = {}  # inst -> last block -> deadline
 
-    def store(self, inst, chain):
-        s = self.held.setdefault(inst, set())
-        first_parent = self.parent[chain[0]]
-        if first_parent is not None and first_parent not in s:
+    def store(self, inst, seg, now):
+        held = self.held.setdefault(inst, set())
+        fresh = self.fresh.setdefault(inst, set())
+        first_parent = self.parent[seg[0]]
+        if first_parent is not None and first_parent not in held:
+            self.waiting.setdefault(inst, []).append((first_parent, seg))
             return
-        s.update(chain)
+        held.update(seg)
+        fresh.update(seg)
+        x = first_parent
+        while x is not None:  # storing under a block proves its whole prefix is there
+            fresh.add(x)
+            x = self.parent[x]
+        for b in seg:
+            self.pending.get(inst, {}).pop(b, None)
+        for b in seg:  # runs waiting for one of these blocks
+            ready = [w for w in self.waiting.get(inst, []) if w[0] == b]
+            for w in ready:
+                self.waiting[inst].remove(w)
+                self.store(inst, w[1], now)
 
     def remove(self, inst, b):
         s = self.held.setdefault(inst, set())
@@ -112,16 +292,24 @@ class Naive:
             x = todo.pop()
             if x in s:
                 s.discard(x)
+                self.fresh[inst].discard(x)
                 todo.extend(k for k, p in self.parent.items() if p == x)
 
-    def hit(self, inst, chain):
-        s = self.held.get(inst, set())
+    def hit(self, inst, chain, which="held"):
+        s = getattr(self, which).get(inst, set())
         n = 0
         for h in chain:
             if h not in s:
                 break
             n += 1
         return n
+
+    def local(self, inst, chain, now):
+        best = self.hit(inst, chain)
+        for last, deadline in self.pending.get(inst, {}).items():
+            if deadline > now and last in chain:
+                best = max(best, chain.index(last) + 1)
+        return best
 
 
 def random_tree(rng, n_nodes):
@@ -142,38 +330,83 @@ def path_to(parent, node):
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32), st.integers(5, 60), st.integers(1, 5), st.integers(5, 80))
 def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
+    """Stores (orphans kept and adopted), removals, stale marks and their TTL, clears and pending
+    prompts against a naive model; the tree stays complete and linked throughout."""
     rng = random.Random(seed)
     parent = random_tree(rng, n_nodes)
-    ix = TierIndex(16, 16)
+    clock = [0.0]
+    ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, pending_ttl_s=5, orphan_ttl_s=1e9,
+                   sweep_rows=rng.choice([1, 4, 1 << 16]))
     naive = Naive(parent)
     insts = [f"i{k}" for k in range(n_inst)]
     for i in insts:
         ix.register_instance(i)
     nodes = list(parent)
+    stale_deadline: dict[str, float] = {}
     for _ in range(n_ops):
         inst = rng.choice(insts)
         node = rng.choice(nodes)
-        if rng.random() < 0.65:
+        op = rng.random()
+        if op < 0.5:
             p = path_to(parent, node)
             cut = rng.randrange(len(p))  # store a suffix of the path under its parent
             seg = p[cut:]
             ix.gpu_stored_hashes(inst, seg, p[cut - 1] if cut else None)
-            naive.store(inst, seg)
-        else:
+            naive.store(inst, seg, clock[0])
+        elif op < 0.7:
             ix.gpu_removed_hashes(inst, [node])
             naive.remove(inst, node)
+        elif op < 0.78:
+            ix.mark_stale(inst)
+            naive.fresh[inst] = set()
+            stale_deadline[inst] = clock[0] + 10
+        elif op < 0.85:
+            clock[0] += rng.choice([1, 4, 6, 11])
+            for i, d in list(stale_deadline.items()):
+                if d <= clock[0]:  # stale entries not stored again are dropped
+                    naive.held[i] = set(naive.fresh.get(i, set()))
+                    del stale_deadline[i]
+        elif op < 0.88:
+            ix.gpu_cleared(inst)
+            naive.held[inst], naive.fresh[inst], naive.waiting[inst] = set(), set(), []
+            naive.pending[inst] = {}
+            stale_deadline.pop(inst, None)
+        else:
+            p = path_to(parent, node)
+            if ix.add_pending(inst, p):
+                naive.pending.setdefault(inst, {})[p[-1]] = clock[0] + 5
+            else:
+                assert p[-1] in naive.held.get(inst, set())
+        for _ in range(3 if rng.random() < 0.3 else 0):
+            ix.maintain()
         q = path_to(parent, rng.choice(nodes))
-        got = ix.lookup(q).gpu_blocks
-        assert got == [naive.hit(i, q) for i in insts]
+        found = ix.lookup(q)
+        assert found.gpu_blocks == [naive.hit(i, q) for i in insts]
+        assert found.stale_hit_tokens() == [16 * (naive.hit(i, q) - naive.hit(i, q, "fresh")) for i in insts]
+        assert found.local_hit_tokens() == [16 * naive.local(i, q, clock[0]) for i in insts]
     assert [ix.gpu_blocks_of(i) for i in insts] == [len(naive.held.get(i, ())) for i in insts]
-    # Completeness: a slot holding a block holds its parent; the tree links match the masks.
-    for h, m in ix._mask.items():
-        p = ix._parent.get(h)
-        assert m and (p is None or ix._mask[p] & m == m)
-        assert (p is None) == (parent[h] is None)
-    for p, k in ix._kid.items():
-        assert ix._parent[k] == p
-        assert all(ix._parent[x] == p for x in ix._more_kids.get(p, []))
+    assert [ix.is_stale(i) for i in insts] == [bool(naive.held.get(i, set()) - naive.fresh.get(i, set()))
+                                                 for i in insts]
+    # Completeness: a slot holding a block holds its parent; the child lists match the parents.
+    t = ix._tree
+    for r in range(1, len(t.key)):
+        if not t.key[r] or not t.mask(r):
+            continue
+        m, p = t.view[t.mid[r]], t.par[r]
+        assert p == 0 or t.view[t.mid[p]] & m == m
+        assert (p == 0) == (parent[t.key[r]] is None)
+        assert p == 0 or t.key[p] == parent[t.key[r]]
+        if p:
+            c, kids = t.kid[p], []
+            while c:
+                kids.append(c)
+                c = t.nxt[c]
+            assert r in kids
+    for _ in range(1000):  # bounded slices free every row emptied by bulk clears
+        if not t.garbage:
+            break
+        ix.maintain()
+    assert ix.sizes()["gpu_nodes"] == len(set().union(*naive.held.values()) if naive.held else set())
 
 
 def test_fixture_frames_predict_the_engines_cached_tokens(vllm_fixture):
@@ -208,3 +441,40 @@ def test_fixture_frames_predict_the_engines_cached_tokens(vllm_fixture):
             applied = seq
     assert checked >= 10
     assert ix.stats["gpu_orphans"] == 0 and ix.stats["gpu_unknown_removed"] == 0
+
+
+def test_pending_prompts_of_many_lengths_are_found_by_their_anchor():
+    ix, clock = clocked(3)
+    base = list(range(16 * 300))
+    chains = {n: fast_chain(base[: 16 * n], 16) for n in (1, 3, 63, 64, 100, 200)}
+    for k, n in enumerate(chains):
+        ix.add_pending(f"i{k % 3}", chains[n])
+    # i0 holds 1 and 64 blocks pending, i1 3 and 100, i2 63 and 200
+    want = {150: [16 * 64, 16 * 100, 16 * 63], 64: [16 * 64, 16 * 3, 16 * 63], 2: [16, 0, 0]}
+    for n, hits in want.items():
+        assert ix.lookup(fast_chain(base[: 16 * n], 16)).local_hit_tokens() == hits
+    other = fast_chain([7] * 16 + base[16:16 * 150], 16)  # diverges at block 0: nothing pending
+    assert ix.lookup(other).local_hit_tokens() == [0, 0, 0]
+
+
+def test_a_long_chain_of_orphan_runs_is_adopted_without_recursion():
+    """After a gap, every later event of the sequence is an orphan (one run per decode step)."""
+    ix, clock = clocked(orphan_cap_blocks=10_000)
+    toks = list(range(16 * 3000))
+    for j in range(1, 3000):  # blocks 1.. arrive one event each; block 0's event was lost
+        ix.gpu_stored("i0", [j + 1], j, toks[16 * j:16 * (j + 1)], 16)
+    assert ix.stats["gpu_orphans_waiting"] == 2999
+    ix.gpu_stored("i0", [1], None, toks[:16], 16)
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [3000, 0]
+    assert ix.stats["gpu_orphans_adopted"] == 2999
+
+
+def test_the_orphan_cap_drops_only_that_instances_oldest_runs():
+    ix, clock = clocked(orphan_cap_blocks=4)
+    toks = list(range(16 * 8))
+    ix.gpu_stored("i1", [50, 51], 40, toks[:32], 16)  # i1 waits for its parent too
+    for j in range(6):  # i0: six one-block runs, each under an unknown parent
+        ix.gpu_stored("i0", [100 + j], 90 + j, toks[16 * j:16 * (j + 1)], 16)
+    assert ix.stats["gpu_orphans_dropped"] == 2 and ix.stats["gpu_orphans_waiting"] == 6
+    ix.gpu_stored("i1", [40], None, list(range(500, 516)), 16)  # i1's parent arrives: its run is intact
+    assert ix.stats["gpu_orphans_adopted"] == 2

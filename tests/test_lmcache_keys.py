@@ -3,7 +3,7 @@ import json
 import pytest
 from services import fixture_path
 
-from smetric_lmc.lmcache_keys import (
+from smetric_lmc.controller.lmcache_keys import (
     BARE_SUFFIXES,
     REDIS_SUFFIXES,
     ChunkPresence,

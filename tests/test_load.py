@@ -60,3 +60,31 @@ def test_reconcile_counts_external_load_on_an_instance_never_routed_to():
     lt = LoadTracker()
     assert lt.reconcile("fresh", 3) == 0
     assert lt.loads(["fresh"]) == [3]
+
+
+def test_loads_laid_out_in_the_index_order_track_every_change():
+    """The router's fast path (a list kept in the index's order) must equal the per-instance lookup
+    after any mix of routes, dones, reconciles and removals, and re-layout when the order changes."""
+    import random
+
+    rng = random.Random(3)
+    t = LoadTracker(clock=lambda: 0.0)
+    order = [f"i{k}" for k in range(6)]
+    key = (1, 0)
+    live: list[str] = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.45:
+            rid = f"r{step}"
+            t.on_route(rid, rng.choice(order + ["elsewhere"]), 100, 10)
+            live.append(rid)
+        elif op < 0.8 and live:
+            t.on_done(live.pop(rng.randrange(len(live))))
+        elif op < 0.9:
+            t.reconcile(rng.choice(order), rng.randrange(5), grace_s=-1.0)
+        elif op < 0.95:
+            t.remove_instance(rng.choice(order))
+        else:  # the index's membership changes: a new instance joins the order
+            order = order + [f"j{step}"]
+            key = (1, key[1] + 1)
+        assert t.loads_aligned(order, key) == t.loads(order), step

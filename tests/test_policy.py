@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from smetric_lmc.config import POLICY_NAMES, PolicyConfig
-from smetric_lmc.policy import ClusterView, make_policy, rr_argmin
+from smetric_lmc.policy import Choice, ClusterView, make_policy, rr_argmin
 from smetric_lmc.policy.baselines import (
     bailian,
     bailian_scores,
@@ -163,3 +163,33 @@ def test_smetric_sticky_only_under_its_conditions(args):
         assert load[d.index] <= 2.0 * sum(load) / len(load)
     else:  # every fallback lands on a least-loaded instance
         assert load[d.index] == min(load)
+
+
+def test_a_policy_declares_what_it_needs_and_registering_it_is_all_it_takes(monkeypatch):
+    from smetric_lmc.hashing import fast_chain
+    from smetric_lmc.index import TierIndex
+    from smetric_lmc.load import LoadTracker
+    from smetric_lmc.policy import registry
+    from smetric_lmc.router import Router
+
+    assert make_policy(PolicyConfig(name="dynamo")).needs == {"unprefilled"}
+    assert make_policy(PolicyConfig(name="smetric")).needs == frozenset()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    seen = []
+
+    @registry.register("least_queued_prefill", needs={"unprefilled"})
+    def least_queued_prefill(v: ClusterView):
+        seen.append(v.unprefilled)
+        return Choice(rr_argmin(list(v.unprefilled), v.rr), Reason.SCORED)
+
+    ix = TierIndex(16, 64)
+    for k in range(2):
+        ix.register_instance(f"i{k}")
+    load = LoadTracker()
+    load.on_route("big", "i0", 5000)
+    r = Router(ix, load, PolicyConfig(name="least_queued_prefill"))
+    assert r.route("q", fast_chain(list(range(64)), 16), None, 64).instance_id == "i1"
+    assert seen == [[5000.0, 0.0]]
+    # A policy that does not ask for unprefilled tokens gets none computed.
+    r.set_policy(PolicyConfig(name="load_balance"))
+    assert r.route("q2", [], None, 10).policy == "load_balance"

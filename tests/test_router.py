@@ -5,7 +5,7 @@ from smetric_lmc.hashing import fast_chain
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
-from smetric_lmc.wire import Reason
+from smetric_lmc.wire import Reason, TurnSource
 
 
 def cluster(n=3, policy="smetric", **kw):
@@ -36,6 +36,7 @@ def test_unknown_turn_is_inferred_from_est_hit():
     r = cluster()
     assert r.route("x", [], None, 10).turn == 0
     assert r.route("y", [], None, 10, est_hit=64).turn == 1
+    assert r.route("z", [], None, 10, est_hit=64).turn_source == TurnSource.EST_HIT
 
 
 def test_disaggregated_load_is_unprefilled_tokens_and_candidates_filter():
@@ -60,3 +61,50 @@ def test_hot_policy_swap():
     picks = [r.route(f"r{k}", [], None, 1) for k in range(3)]
     assert [p.instance_id for p in picks] == ["i1", "i2", "i0"]
     assert {p.policy for p in picks} == {"round_robin"} and picks[0].reason == Reason.ROUND_ROBIN
+
+
+def test_a_follow_up_routed_before_its_kv_events_stays_with_its_session():
+    """The first turn's blocks are pending on its instance until the engine reports them."""
+    r = cluster()
+    first = list(range(100))
+    a = r.route("s1-t0", fast_chain(first, 16), None, len(first), turn=0)
+    r.route("s2-t0", [], None, 10, turn=0)
+    r.load.on_done("s1-t0")
+    follow = first + list(range(1000, 1050))
+    b = r.route("s1-t1", fast_chain(follow, 16), None, len(follow), turn=1, est_hit=100)
+    assert (b.instance_id, b.reason) == (a.instance_id, Reason.STICKY)
+    assert b.local_hit_tokens == 96
+    assert r.index.stats["pending_added"] == 2  # s2 had no full block
+
+
+def test_a_growing_prompt_without_turn_stays_with_its_cache():
+    # /v1/completions clients send no turn: each request is the previous prompt plus more text.
+    r = cluster(n=2)
+    system = list(range(5000, 5064))  # a system prompt every instance holds
+    for iid in r.index.instances:
+        r.index.gpu_stored_hashes(iid, fast_chain(system, 16))
+    prompt = system + list(range(40))
+    homes = []
+    for t in range(6):
+        d = r.route(f"c{t}", fast_chain(prompt, 16), None, len(prompt))
+        homes.append(d.instance_id)
+        if t == 0:  # only the shared prefix is cached anywhere: a first turn, balanced
+            assert (d.turn, d.turn_source, d.reason) == (0, TurnSource.INDEX_FIRST_TURN, Reason.FIRST_TURN)
+        else:  # its own history runs past the shared prefix on one instance: a follow-up there
+            assert (d.turn, d.turn_source, d.reason) == (1, TurnSource.INDEX_FOLLOW_UP, Reason.STICKY)
+            assert d.est_hit_tokens == d.local_hit_tokens == d.best_local_hit_tokens > len(system)
+        r.index.gpu_stored_hashes(d.instance_id, fast_chain(prompt, 16))
+        r.load.on_done(f"c{t}")
+        prompt = prompt + list(range(100 + 40 * t, 140 + 40 * t))
+    assert len(set(homes)) == 1, homes
+
+
+def test_inferred_follow_up_still_sheds_an_overloaded_instance():
+    r = cluster(n=3)
+    mine = list(range(200))
+    r.index.gpu_stored_hashes("i0", fast_chain(mine, 16))
+    for k in range(6):
+        r.load.on_route(f"busy{k}", "i0", 10)
+    d = r.route("q", fast_chain(mine + [1] * 32, 16), None, 232)
+    assert (d.turn_source, d.reason, d.instance_id) == (TurnSource.INDEX_FOLLOW_UP, Reason.OVERLOADED, "i1")
+    assert r.load.in_flight("i1") == 1

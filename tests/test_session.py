@@ -1,20 +1,14 @@
-"""turn / est_hit from OpenAI messages, and the approximate tokenizer's bounded error."""
+"""turn / est_hit from OpenAI messages, and the one est_hit estimate's error against a real tokenizer."""
+
+import sys
+from pathlib import Path
 
 import pytest
+from lmcache_venv import lmcache_python
 
-from smetric_lmc.session import ApproxChatTokenizer, history_of, session_info, turn_of
+from smetric_lmc.session import ChatTokenEstimator, history_of, text_bytes, turn_of
 
-
-class WordTokenizer:
-    """A stand-in that counts whitespace words: enough to check what session_info feeds it."""
-
-    def __init__(self):
-        self.seen = None
-
-    def count(self, messages, tools):
-        self.seen = (messages, tools)
-        return sum(len(str(m.get("content", "")).split()) for m in messages) + (3 if tools else 0)
-
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 CHAT = [
     {"role": "system", "content": "be brief"},
@@ -36,40 +30,45 @@ def test_history_ends_at_the_last_assistant_message():
     assert history_of(CHAT[:2]) == []
 
 
-def test_session_info_uses_history_and_tools():
-    tok = WordTokenizer()
-    info = session_info(CHAT, [{"type": "function"}], tok)
-    assert info.turn == 2
-    assert info.est_hit_tokens == 2 + 2 + 1 + 5 + 2 + 3
-    assert tok.seen[0] == CHAT[:5]
+def test_estimate_counts_text_tool_calls_and_tools():
+    est = ChatTokenEstimator(bytes_per_token=4.0, per_message=5)
+    msgs = [{"role": "user", "content": "x" * 400},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert text_bytes(msgs, tools) == 400 + len('[{"id": "c", "function": {"name": "f"}}]') + len(
+        '[{"type": "function", "function": {"name": "f"}}]')
+    assert est.count(msgs, tools) == int(text_bytes(msgs, tools) / 4.0) + 5 * 3
+    assert est.count([{"role": "user", "content": [{"type": "text", "text": "abcd" * 25}]}]) == 25 + 5
 
 
-def test_first_turn_and_dropped_history():
-    tok = WordTokenizer()
-    assert session_info(CHAT[:2], None, tok).est_hit_tokens == 0
-    assert session_info([{"role": "user", "content": "fresh start"}], None, tok).turn == 0
+def test_observing_exact_counts_moves_the_rate_to_the_served_tokenizer():
+    est = ChatTokenEstimator()
+    msgs = [{"role": "user", "content": "y" * 2000}]
+    for _ in range(30):  # the served tokenizer: 2 bytes a token
+        est.observe(msgs, None, 1000 + 5)
+    assert est.bytes_per_token == pytest.approx(2.0, rel=0.01) and est.observations == 30
+    assert est.count(msgs) == pytest.approx(1005, rel=0.01)
+    before = est.bytes_per_token
+    est.observe([{"role": "user", "content": "tiny"}], None, 3)  # too little text to learn from
+    assert est.bytes_per_token == before
 
 
-def test_explicit_turn_overrides():
-    assert session_info(CHAT, None, WordTokenizer(), explicit_turn=0).turn == 0
-    assert session_info(CHAT, None, WordTokenizer(), explicit_turn=0).est_hit_tokens == 0
-
-
-def test_approximation_error_is_bounded_against_a_real_bpe_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package provides the reference BPE")
-    import sysconfig
-    from pathlib import Path
-
-    # Train a byte-level BPE on local Python sources (no model hub here), ~8k vocabulary.
-    src = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in src.glob("*.py"))[:120]
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train(files, tokenizers.trainers.BpeTrainer(vocab_size=8192, show_progress=False,
-                                                    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    approx = ApproxChatTokenizer()
-    texts = [Path(f).read_text(errors="ignore")[:4000] for f in files[120:] or files[-20:]]
-    for text in texts[:20]:
-        msgs = [{"role": "user", "content": text}]
-        true = len(tok.encode(text).ids) + 5  # + ChatML wrapper tokens
-        assert abs(approx.count(msgs, None) - true) <= 0.25 * true
+def test_error_against_a_real_tokenizer_on_held_out_conversations():
+    if lmcache_python() is None:
+        pytest.skip("engine venv (transformers + the tiny model's tokenizer) not built: run .ci/engine-venv.sh")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import est_hit_error as bench
+    finally:
+        sys.path.remove(str(BENCH))
+    convs = bench.conversations(60, seed=1)  # another seed than the README's figures
+    truth = bench.exact_counts(convs)
+    train, test = convs[:15], convs[15:]
+    est = ChatTokenEstimator()
+    for c, t in zip(train, truth[:15]):
+        est.observe(c["history"], c["tools"], t)
+    calibrated = bench.summary(bench.errors(est, test, truth[15:]))
+    fresh = bench.summary(bench.errors(ChatTokenEstimator(), test, truth[15:]))
+    # Calibrated on exact counts, the estimate follows the served tokenizer on text it never saw.
+    assert calibrated["mean_abs"] <= 0.15 and calibrated["p90_abs"] <= 0.25, calibrated
+    assert calibrated["mean_abs"] < fresh["mean_abs"]

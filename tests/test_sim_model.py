@@ -332,7 +332,7 @@ def test_generated_blocks_stay_on_the_gpu_not_in_the_global_tier() -> None:
 
 
 def test_explicit_sim_config_path_must_exist(tmp_path) -> None:  # noqa: ANN001
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="cannot read"):
         load_sim_config(tmp_path / "missing.yaml")
     (tmp_path / "sim.yaml").write_text("instances: 3\nkv_load_mode: layerwise\n")
     c = load_sim_config(tmp_path / "sim.yaml")

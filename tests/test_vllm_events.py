@@ -27,8 +27,6 @@ from smetric_lmc.controller.vllm_events import (
     apply_batch,
     connectable,
     decode_payload,
-    ingest_benchmark,
-    synthetic_payloads,
     vllm_binds,
 )
 
@@ -81,6 +79,9 @@ class Recorder:
     def gpu_cleared(self, instance_id: str) -> None:
         self.live[instance_id] = set()
         self.calls.append(("cleared", instance_id, 0))
+
+    def mark_stale(self, instance_id: str) -> None:
+        self.calls.append(("stale", instance_id, 0))
 
     def n(self, kind: str) -> int:
         return sum(1 for c in self.calls if c[0] == kind)
@@ -426,7 +427,7 @@ async def test_late_subscriber_replays_from_zero(
     assert sink.live["e0"] == expected_live(recorded["frames_decoded"])
 
 
-async def test_unfillable_gap_clears_the_instance(
+async def test_unfillable_gap_marks_the_instance_stale_and_keeps_its_blocks(
     ctx: zmq.asyncio.Context, recorded: dict[str, Any], frames: list[tuple[int, bytes]]
 ) -> None:
     sink = Recorder()
@@ -438,12 +439,13 @@ async def test_unfillable_gap_clears_the_instance(
         await until(lambda: sub.stats.last_seq == 9)
     await engine.close()
     assert sub.stats.gaps == 1 and sub.stats.unfilled_gaps == 1 and sub.stats.replays == 0
-    # Cleared at the gap, then only batch 9 is known.
-    assert sink.live["e0"] == expected_live(recorded["frames_decoded"], seqs=[9])
-    assert sink.live["e0"] != expected_live(recorded["frames_decoded"], seqs=range(10))
+    # Marked stale at the gap, never cleared: what batches 0..7 stored stays indexed, batch 9 adds on.
+    assert sink.n("stale") == 1 and sink.n("cleared") == 0
+    known = [s for s in range(10) if s != 8]
+    assert sink.live["e0"] == expected_live(recorded["frames_decoded"], seqs=known)
 
 
-async def test_replay_timeout_counts_and_clears(
+async def test_replay_timeout_counts_and_marks_stale(
     ctx: zmq.asyncio.Context, frames: list[tuple[int, bytes]]
 ) -> None:
     sink = Recorder()
@@ -457,7 +459,7 @@ async def test_replay_timeout_counts_and_clears(
     await engine.close()
     assert engine.replay_requests == [1]
     assert sub.stats.replay_failures == 1 and sub.stats.unfilled_gaps == 1
-    assert sink.n("cleared") == 1
+    assert sink.n("stale") == 1 and sink.n("cleared") == 0
 
 
 async def test_engine_restart_clears_then_follows_the_new_engine(
@@ -532,40 +534,30 @@ async def test_close_before_any_message_is_clean(ctx: zmq.asyncio.Context) -> No
     assert sub.stats.batches == 0
 
 
-# ---------------------------------------------------------------------------- throughput
+class FailingOnce(Recorder):
+    """A sink whose first store raises, as an index bug would."""
 
-
-class DictSink:
     def __init__(self) -> None:
-        self.blocks: dict[int, int] = {}
+        super().__init__()
+        self.failed = False
 
-    def gpu_stored(
-        self,
-        instance_id: str,
-        block_hashes: Sequence[int],
-        parent_block_hash: int | None,
-        token_ids: Sequence[int],
-        block_size: int,
-    ) -> int:
-        self.blocks.update(dict.fromkeys(block_hashes, 1))
-        return len(block_hashes)
-
-    def gpu_removed(self, instance_id: str, block_hashes: Sequence[int]) -> int:
-        for h in block_hashes:
-            self.blocks.pop(h, None)
-        return len(block_hashes)
-
-    def gpu_cleared(self, instance_id: str) -> None:
-        self.blocks.clear()
+    def gpu_stored(self, instance_id: str, *args: Any, **kw: Any) -> int:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("index bug")
+        return super().gpu_stored(instance_id, *args, **kw)
 
 
-def test_ingest_benchmark_shape_and_rate() -> None:
-    payloads, total = synthetic_payloads(3_200)
-    assert total >= 3_200
-    first = decode_payload(payloads[5])
-    assert [type(e).__name__ for e in first.events] == ["BlockStored"] + ["BlockRemoved"] * 16
-    assert max(first.events[0].block_hashes) > 0 and len(first.events[0].token_ids) == 256
-    sink = DictSink()
-    rate = ingest_benchmark(sink, 50_000)
-    assert len(sink.blocks) == 32  # LRU window of two steps: every other stored block was removed
-    assert rate > 100_000, rate
+async def test_sink_error_marks_stale_instead_of_clearing(
+    ctx: zmq.asyncio.Context, frames: list[tuple[int, bytes]]
+) -> None:
+    sink = FailingOnce()
+    engine, sub = engine_with_subscriber(ctx, sink)
+    async with running(sub):
+        await engine.subscribed()
+        for seq, payload in frames[:4]:
+            await engine.publish(seq, payload)
+        await until(lambda: sub.stats.last_seq == 3)
+    await engine.close()
+    assert sub.stats.sink_errors == 1
+    assert sink.n("stale") == 1 and sink.n("cleared") == 0 and sink.live["e0"]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -43,8 +44,8 @@ def test_cpu_worker_argv_and_env_are_exact() -> None:
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:5557",
-        "replay_endpoint": "tcp://*:5558",
+        "endpoint": f"ipc://{tempfile.gettempdir()}/smetric-kv-5557",
+        "replay_endpoint": "tcp://127.0.0.1:5558",
         "topic": "kv",
     }
     assert wl.argv == [
@@ -406,3 +407,14 @@ def test_tinymodel_stamp_decides_rebuild(tmp_path: Path) -> None:
     assert not tinymodel.is_built(out, seed=1, vocab_size=4096)
     # build_tiny_model trusts the stamp and never starts the venv's python for a built model.
     assert launch.build_tiny_model(out, python=tmp_path / "no-such-python") == out
+
+
+def test_kv_event_sockets_stay_on_loopback() -> None:
+    # They carry prompt token ids: a loopback stack never binds them on all interfaces.
+    local = launch.kv_events_config(cpu_spec())
+    assert local["endpoint"].startswith("ipc://") and "*" not in local["replay_endpoint"]
+    assert cpu_spec().kv_events_connect == local["endpoint"]
+    remote = cpu_spec(host="10.0.0.5")
+    cfg = launch.kv_events_config(remote)
+    assert cfg["replay_endpoint"] == "tcp://10.0.0.5:5558" and remote.replay_connect == "tcp://10.0.0.5:5558"
+    assert cfg["endpoint"] == "tcp://*:5557" and remote.kv_events_connect == "tcp://10.0.0.5:5557"

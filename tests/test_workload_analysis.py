@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -90,10 +89,8 @@ def test_placement_without_start_times_is_poisson_and_seeded() -> None:
     assert a.reuse["intra_session"] == pytest.approx(c.reuse["intra_session"])
 
 
-def test_synthetic_deterministic_and_fast(tmp_path: Path) -> None:
-    t0 = time.perf_counter()
+def test_synthetic_deterministic(tmp_path: Path) -> None:
     w = synthetic(200, seed=11)
-    assert time.perf_counter() - t0 < 2.0
     again = synthetic(200, seed=11)
     other = synthetic(200, seed=12)
     assert save_native(w, tmp_path / "a").read_bytes() == save_native(again, tmp_path / "b").read_bytes()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -150,9 +149,7 @@ def test_weka_real_file(shared: Path) -> None:
     archive = shared / "traces" / "weka-claude-code.tar.xz"
     if not archive.exists():
         pytest.skip(f"{archive} missing")
-    t0 = time.perf_counter()
     w = load_weka(archive, limit=3, progress=False)
-    assert time.perf_counter() - t0 < 10
     assert w.meta["conversations"] == 3
     extended = 0
     for s in w.sessions:

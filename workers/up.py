@@ -1,12 +1,13 @@
 """``smetric up``: a whole local stack — N vLLM CPU engines, the controller, the gateway.
 
-    smetric up --engines 2 [--policy smetric] [--port 8080]
+    smetric up --engines 2 [--policy smetric] [--port 8080] [--metrics-port 9600]
 
 Builds (once) the engine venv and the tiny test model, starts the engines with KV events and
 prefix caching on, writes a controller config for them, starts ``smetric controller`` and
-``smetric gateway`` as child processes, prints the gateway's URL, and stops everything on
-Ctrl-C, SIGTERM, or when any part exits. The pieces (config, process start-up) are reused by the
-end-to-end tests.
+``smetric gateway`` as child processes, prints a banner (every URL, the config, each part's
+log), and stops everything on Ctrl-C, SIGTERM, or when any part exits. The ports are fixed
+(the defaults below, 0 picks a free one) and checked before the minutes-long engine start-up.
+The pieces (config, process start-up) are reused by the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from smetric_lmc.config import POLICY_NAMES
+from smetric_lmc.config import POLICY_NAMES, ServerConfig
 from smetric_lmc.workers import launch
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ def controller_config(
     return {
         "model": model or engines[0].model,
         "policy": {"name": policy, **(policy_overrides or {})},
-        "hashing": {"block_size": block_sizes.pop(), "vllm_hash_algo": engines[0].spec.hash_algo},
+        "hashing": {"block_size": block_sizes.pop()},
         "instances": [
             {"id": e.instance_id, "http": e.http_url, "kv_events": e.kv_events_endpoint, "replay": e.replay_endpoint}
             for e in engines
@@ -129,8 +131,10 @@ class LocalStack:
     engines: list[launch.RunningEngine]
     config_path: Path
     gateway_url: str
-    metrics_url: str
+    metrics_url: str  # the controller's /metrics
     processes: list[launch.ProcessGroup] = field(default_factory=list)
+    route_url: str = ""
+    policy: str = ""
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.processes) and all(
@@ -145,12 +149,33 @@ class LocalStack:
             e.process.stop()
 
 
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    """Fail now, not after minutes of engine start-up, when a fixed port is taken."""
+    taken = []
+    for name, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host if name == "gateway" else "127.0.0.1", port))
+            except OSError as exc:
+                taken.append(f"{name} port {port} ({exc.strerror})")
+    if taken:
+        raise RuntimeError("cannot use " + ", ".join(taken) + "; choose others with --port / --metrics-port / "
+                           "--route-port, or 0 for any free port")
+
+
+def _pick(port: int) -> int:
+    return port or launch.free_ports(1)[0]
+
+
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
+    check_ports(args.host, {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port})
     if getattr(args, "mock", 0):
         from smetric_lmc.mock_engine.stack import bring_up_mock
 
         return bring_up_mock(args, workdir)
-    venv = launch.ensure_engine_venv()
+    venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
         venv.parent / "models" / "tiny-qwen2", python=python)
@@ -158,21 +183,50 @@ def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
                                   block_size=args.block_size, max_model_len=args.max_model_len)
     log.info("starting %d vLLM engines (30-50 s each on CPU); logs in %s", len(specs), workdir)
     engines = launch.start_engines(specs, workdir, timeout_s=args.engine_timeout_s)
-    stack = LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{args.port}", "")
+    port = _pick(args.port)
+    stack = LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{port}", "", policy=args.policy)
     try:
-        route_port, metrics_port = launch.free_ports(2)
-        cfg = controller_config(engines, route_url=f"tcp://127.0.0.1:{route_port}", metrics_port=metrics_port,
-                                policy=args.policy)
+        route_port, metrics_port = _pick(args.route_port), _pick(args.metrics_port)
+        stack.route_url = f"tcp://127.0.0.1:{route_port}"
+        cfg = controller_config(engines, route_url=stack.route_url, metrics_port=metrics_port, policy=args.policy)
         write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(start_controller(stack.config_path, metrics_port, workdir))
         # The model's own tokenizer when this interpreter has transformers; else engines' /tokenize.
         tok = model if importlib.util.find_spec("transformers") is not None else None
-        stack.processes.append(start_gateway(stack.config_path, args.port, workdir, host=args.host, tokenizer=tok))
+        stack.processes.append(start_gateway(stack.config_path, port, workdir, host=args.host, tokenizer=tok))
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def banner(stack: LocalStack) -> str:
+    """What `smetric up` prints once everything answers: where to send requests, look, and read logs."""
+    model = stack.engines[0].model if stack.engines else "?"
+    health = stack.metrics_url.removesuffix("/metrics") + "/healthz"
+    procs = {p.name: p.log_path for p in stack.processes}
+    width = max([len(e.instance_id) for e in stack.engines] + [len("controller")])
+    lines = [
+        f"smetric up: {len(stack.engines)} vLLM engine(s), policy {stack.policy or '?'}, model {model!r}",
+        f"  gateway     {stack.gateway_url}/v1  (OpenAI-compatible)",
+        f"  metrics     gateway {stack.gateway_url}/metrics",
+        f"              controller {stack.metrics_url}  (health: {health})",
+        f"  route       {stack.route_url}  (ZMQ; smetric_lmc.client.RouteClient)",
+        f"  config      {stack.config_path}",
+        "  logs",
+    ]
+    for e in stack.engines:
+        lines.append(f"    {e.instance_id:<{width}}  {e.process.log_path}  (engine {e.http_url})")
+    for name in ("controller", "gateway"):
+        if name in procs:
+            lines.append(f"    {name:<{width}}  {procs[name]}")
+    lines += [
+        "  Until the engines' first KV events reach the controller, requests are balanced by load and",
+        "  answered with X-SMetric-Index-Ready: false; X-SMetric-Reason says why each request went where.",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
 
 
 class _Stop(Exception):
@@ -190,11 +244,7 @@ def run_up(args: argparse.Namespace) -> int:
     stack: LocalStack | None = None
     try:
         stack = bring_up(args, workdir)
-        print(f"gateway:  {stack.gateway_url}/v1  (OpenAI-compatible; model name {stack.engines[0].model!r})")
-        print(f"metrics:  {stack.metrics_url}")
-        print(f"config:   {stack.config_path}")
-        print(f"logs:     {workdir}")
-        print("Ctrl-C stops everything.", flush=True)
+        print(banner(stack), flush=True)
         while stack.alive():
             time.sleep(1.0)
         log.error("a part of the stack exited; stopping the rest (logs in %s)", workdir)
@@ -219,11 +269,14 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--engines", type=int, default=2, help="vLLM engines to start (each ~3 GB RAM)")
     p.add_argument("--policy", choices=POLICY_NAMES, default="smetric")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    p.add_argument("--port", type=int, default=8080, help="gateway port")
+    p.add_argument("--port", type=int, default=8080, help="gateway port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=ServerConfig().metrics_port,
+                   help="controller /metrics and /healthz port (0: any free port)")
+    p.add_argument("--route-port", type=int, default=5600, help="controller route socket port (0: any free port)")
     p.add_argument("--model", default=None, help="model dir to serve (default: build the tiny test model)")
     p.add_argument("--block-size", type=int, default=32, help="vLLM --block-size (CPU prefers multiples of 32)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--engine-timeout-s", type=float, default=300.0)
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM --max-model-len (default: 2048 on CPU)")
+    p.add_argument("--engine-timeout-s", type=float, default=300.0, help="wait this long for each engine's /health")
     p.add_argument("--workdir", default=None, help="config and logs (default: a new temp dir)")
     p.add_argument("--mock", type=int, default=0, metavar="N",
                    help="N mock engines (smetric mock-engine: the simulator's engine model) instead of vLLM")

@@ -155,7 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="model time per wall second")
     p.add_argument("--stream-interval", type=int, default=4,
                    help="decode steps between stream deliveries (and scheduler wake-ups)")
-    p.add_argument("--hash-algo", default="sha256_cbor", help="vLLM --prefix-caching-hash-algo")
+    p.add_argument("--hash-algo", default="sha256_cbor", choices=("sha256_cbor",),
+                   help="vLLM --prefix-caching-hash-algo (the mock implements sha256_cbor)")
     p.add_argument("--none-hash-seed", default="0", help="vLLM's NONE_HASH seed (PYTHONHASHSEED of the engines)")
     p.add_argument("--served-model-name", default="tiny")
     p.add_argument("--topic", default="kv")

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.hashing import vllm_digests
 from smetric_lmc.mock_engine.kv_events import KVEventPublisher, block_removed, block_stored
+from smetric_lmc.mock_engine.vllm_hash import SUPPORTED_ALGOS, chain_digests, event_hash
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.profile import Profile
 from smetric_lmc.sim.request import SimRequest
@@ -119,6 +119,8 @@ class MockEngineCore:
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
+        if hash_algo not in SUPPORTED_ALGOS:
+            raise ValueError(f"the mock engine hashes blocks with {SUPPORTED_ALGOS}, not {hash_algo!r}")
         self.instance_id = instance_id
         self.profile = profile
         self.block_size = block_size
@@ -197,8 +199,8 @@ class MockEngineCore:
             raise RequestTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion).")
-        digests = vllm_digests(token_ids, self.block_size, algo=self.hash_algo, none_hash_seed=self.none_hash_seed)
-        blocks = np.array([int.from_bytes(d[-8:], "big") for d in digests], dtype=np.uint64)
+        digests = chain_digests(token_ids, self.block_size, None, self.none_hash_seed)
+        blocks = np.array([event_hash(d) for d in digests], dtype=np.uint64)
         rid = f"{self.instance_id}-{next(self._ids)}"
         now = self._now()
         r = SimRequest(rid, 0, None, 0, blocks, n, max_tokens, now)
@@ -238,10 +240,9 @@ class MockEngineCore:
         bs = self.block_size
         h.tokens += [97 + j % 26 for j in range(min(r.decoded, r.output))]
         start = len(h.chain) * bs
-        more = vllm_digests(h.tokens[start:], bs, algo=self.hash_algo, parent=h.last_digest,
-                            none_hash_seed=self.none_hash_seed)
+        more = chain_digests(h.tokens[start:], bs, h.last_digest, self.none_hash_seed)
         if more:
-            ext = np.array([int.from_bytes(d[-8:], "big") for d in more], dtype=np.uint64)
+            ext = np.array([event_hash(d) for d in more], dtype=np.uint64)
             h.chain = np.concatenate([h.chain, ext])
             h.last_digest = more[-1]
         return h.chain

@@ -24,6 +24,7 @@ class _SharedProcess:
 
     def __init__(self, group: launch.ProcessGroup) -> None:
         self.group = group
+        self.log_path = group.log_path
 
     def poll(self) -> int | None:
         return self.group.poll()
@@ -90,17 +91,20 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     engines = [MockEngineHandle(i, g) for i, g in started]
-    stack = up.LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{args.port}", "",  # type: ignore[arg-type]
-                          processes=list(groups))
+    port = args.port or launch.free_ports(1)[0]
+    stack = up.LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{port}", "",  # type: ignore[arg-type]
+                          processes=list(groups), policy=args.policy)
     try:
-        route_port, metrics_port = launch.free_ports(2)
-        cfg = up.controller_config(infos, route_url=f"tcp://127.0.0.1:{route_port}",  # type: ignore[arg-type]
+        route_port = getattr(args, "route_port", 0) or launch.free_ports(1)[0]
+        metrics_port = getattr(args, "metrics_port", 0) or launch.free_ports(1)[0]
+        stack.route_url = f"tcp://127.0.0.1:{route_port}"
+        cfg = up.controller_config(infos, route_url=stack.route_url,  # type: ignore[arg-type]
                                    metrics_port=metrics_port, policy=args.policy,
                                    policy_overrides=policy_overrides, metrics_poll_s=metrics_poll_s)
         up.write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(up.start_controller(stack.config_path, metrics_port, workdir))
-        stack.processes.append(up.start_gateway(stack.config_path, args.port, workdir, host=args.host))
+        stack.processes.append(up.start_gateway(stack.config_path, port, workdir, host=args.host))
     except BaseException:
         stack.stop()
         raise

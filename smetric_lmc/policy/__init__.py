@@ -1,32 +1,24 @@
-"""Routing policies: small pure functions of a ``ClusterView`` returning a ``Decision``.
+"""Routing policies: small pure functions of a ``ClusterView`` returning a ``Choice``.
 
-The controller and the simulator both build policies through ``make_policy``.
+Each policy module registers its policies (``registry.register``); importing this package imports
+every module in it, so a new policy is one new file. The controller and the simulator both build
+policies through ``make_policy``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+import importlib
+import pkgutil
 
-from smetric_lmc.config import POLICY_NAMES, PolicyConfig
-from smetric_lmc.policy.baselines import bailian, cache_first, dynamo, lmetric, load_balance, round_robin
-from smetric_lmc.policy.smetric import SMetricParams, smetric
-from smetric_lmc.policy.view import ClusterView, Decision, rr_argmin
+from smetric_lmc.policy import smetric as _smetric  # noqa: F401  (first: the default policy leads the list)
+from smetric_lmc.policy.registry import Policy, PolicyFn, make_policy, policy_names, register
+from smetric_lmc.policy.view import Choice, ClusterView, rr_argmin
 
-Policy = Callable[[ClusterView], Decision]
+for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _m.name not in ("registry", "view"):
+        importlib.import_module(f"{__name__}.{_m.name}")
 
-__all__ = ["ClusterView", "Decision", "Policy", "POLICY_NAMES", "make_policy", "rr_argmin"]
+POLICY_NAMES: tuple[str, ...] = policy_names()
 
-
-def make_policy(cfg: PolicyConfig) -> Policy:
-    """The policy function a config names, with its parameters bound."""
-    table: dict[str, Policy] = {
-        "smetric": partial(smetric, p=SMetricParams(cfg.overload, cfg.hit_ratio)),
-        "load_balance": load_balance,
-        "bailian": partial(bailian, lam=cfg.bailian_lambda),
-        "lmetric": partial(lmetric, offset=cfg.lmetric_load_offset),
-        "dynamo": dynamo,
-        "round_robin": round_robin,
-        "cache_first": cache_first,
-    }
-    return table[cfg.name]
+__all__ = ["Choice", "ClusterView", "POLICY_NAMES", "Policy", "PolicyFn", "make_policy", "policy_names",
+           "register", "rr_argmin"]

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from smetric_lmc.policy.view import NO_INSTANCE, ClusterView, Decision, rr_argmin
+from smetric_lmc.policy.registry import register
+from smetric_lmc.policy.view import NO_INSTANCE, Choice, ClusterView, rr_argmin
 from smetric_lmc.wire import Reason
 
 
-def _by_score(view: ClusterView, scores: Sequence[float]) -> Decision:
+def _by_score(view: ClusterView, scores: Sequence[float]) -> Choice:
     if not view.instances:
         return NO_INSTANCE
-    return Decision(rr_argmin(scores, view.rr), Reason.SCORED)
+    return Choice(rr_argmin(scores, view.rr), Reason.SCORED)
 
 
-def load_balance(view: ClusterView) -> Decision:
+@register("load_balance")
+def load_balance(view: ClusterView) -> Choice:
     """Join-shortest-queue: f = l[i] (vLLM production-stack's default)."""
     return _by_score(view, view.load)
 
@@ -29,7 +31,8 @@ def bailian_scores(view: ClusterView, lam: float) -> list[float]:
     ]
 
 
-def bailian(view: ClusterView, lam: float = 0.9) -> Decision:
+@register("bailian", params=lambda cfg: {"lam": cfg.bailian_lambda})
+def bailian(view: ClusterView, lam: float = 0.9) -> Choice:
     return _by_score(view, bailian_scores(view, lam))
 
 
@@ -40,31 +43,35 @@ def lmetric_scores(view: ClusterView, offset: float) -> list[float]:
     return [(L - ci) * (li + offset) for li, ci in zip(view.load, view.local_hit)]
 
 
-def lmetric(view: ClusterView, offset: float = 1.0) -> Decision:
+@register("lmetric", params=lambda cfg: {"offset": cfg.lmetric_load_offset})
+def lmetric(view: ClusterView, offset: float = 1.0) -> Choice:
     return _by_score(view, lmetric_scores(view, offset))
 
 
 def dynamo_scores(view: ClusterView) -> list[float]:
     """f = queued unprefilled tokens + (L - c): the prefill work the request would wait behind."""
-    queued = view.unprefilled if view.unprefilled is not None else view.load
+    queued = view.unprefilled if view.unprefilled is not None else view.load  # a view built by hand
     L = view.prompt_tokens
     return [q + (L - ci) for q, ci in zip(queued, view.local_hit)]
 
 
-def dynamo(view: ClusterView) -> Decision:
+@register("dynamo", needs={"unprefilled"})
+def dynamo(view: ClusterView) -> Choice:
     return _by_score(view, dynamo_scores(view))
 
 
-def round_robin(view: ClusterView) -> Decision:
+@register("round_robin")
+def round_robin(view: ClusterView) -> Choice:
     if not view.instances:
         return NO_INSTANCE
-    return Decision(view.rr % len(view.instances), Reason.ROUND_ROBIN)
+    return Choice(view.rr % len(view.instances), Reason.ROUND_ROBIN)
 
 
-def cache_first(view: ClusterView) -> Decision:
+@register("cache_first")
+def cache_first(view: ClusterView) -> Choice:
     """Pure argmax c; ties to the least loaded."""
     n = len(view.instances)
     if n == 0:
         return NO_INSTANCE
     best = max(view.local_hit)
-    return Decision(rr_argmin(view.load, view.rr, [i for i in range(n) if view.local_hit[i] == best]), Reason.CACHE_FIRST)
+    return Choice(rr_argmin(view.load, view.rr, [i for i in range(n) if view.local_hit[i] == best]), Reason.CACHE_FIRST)

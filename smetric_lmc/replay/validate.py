@@ -141,7 +141,7 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     from smetric_lmc.workers import launch, up
 
     work.mkdir(parents=True, exist_ok=True)
-    venv = launch.ensure_engine_venv()
+    venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = launch.build_tiny_model(venv.parent / "models" / "tiny-qwen2", python=python)
     specs = launch.cpu_test_specs(engines, model, python=python, block_size=32)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import inspect
 import itertools
 import logging
 import math
@@ -175,10 +174,8 @@ def place_sessions(
 
 
 def _make_index(bs: int, clock: Callable[[], float]) -> TierIndex:
-    # TierIndex gains a clock for pending-block deadlines; the simulator's is virtual time.
-    if "clock" in inspect.signature(TierIndex).parameters:
-        return TierIndex(bs, bs, clock=clock)  # type: ignore[call-arg]
-    return TierIndex(bs, bs)
+    # Pending-block and stale deadlines run on the simulation's virtual time, not the wall clock.
+    return TierIndex(bs, bs, clock=clock)
 
 
 class Simulator:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import yaml
 
-from smetric_lmc.sim.profile import Profile, configs_dir
+from smetric_lmc.config import packaged_config, parse_as, read_yaml
+from smetric_lmc.sim.profile import Profile
 
 GLOBAL_CHOICES = ("none", "0.4", "0.8", "1.6", "full")
 
@@ -96,20 +96,11 @@ def global_capacity_blocks(choice: str, prof: Profile, block_size: int, instance
 
 
 def load_sim_config(path: str | Path | None = None, **overrides: Any) -> SimConfig:
-    """Defaults from ``configs/sim.yaml`` (or ``path``), then keyword overrides (None = keep)."""
-    p = Path(path) if path is not None else configs_dir() / "sim.yaml"
-    if path is not None and not p.is_file():
-        raise FileNotFoundError(f"sim config {p} does not exist")
-    data: dict[str, Any] = {}
-    if p.exists():
-        with open(p) as fh:
-            data = yaml.safe_load(fh) or {}
-    for k, v in overrides.items():
-        if v is not None:
-            data[k] = v
+    """Defaults from the packaged ``configs/sim.yaml`` (or ``path``, which must exist), then keyword
+    overrides (None = keep). ConfigError (a ValueError) with the key path on bad input."""
+    src = path if path is not None else packaged_config("sim.yaml")
+    data = read_yaml(src)
+    data.update({k: v for k, v in overrides.items() if v is not None})
     if "global_tier" in data:
         data["global_tier"] = str(data["global_tier"])
-    try:
-        return msgspec.convert(data, SimConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"{p.name}: {exc}") from None
+    return parse_as(data, SimConfig, str(path or "sim.yaml"))

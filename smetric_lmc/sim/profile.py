@@ -11,14 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 GIB = 1024**3
-
-
-def configs_dir() -> Path:
-    """The repository's ``configs/`` folder (profiles and sim defaults ship there)."""
-    return Path(__file__).resolve().parents[2] / "configs"
 
 
 DEFAULT_PROFILE = "qwen3-30b-a3b-h20"
@@ -187,10 +180,9 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Profil
 
 
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
-    """Load a profile by name (``configs/profiles/<name>.yaml``) or path."""
+    """Load a profile by name (the packaged ``configs/profiles/<name>.yaml``) or path."""
+    from smetric_lmc.config import packaged_config, read_yaml
+
     p = Path(name_or_path)
-    if not p.suffix:
-        p = configs_dir() / "profiles" / f"{name_or_path}.yaml"
-    with open(p) as fh:
-        data = yaml.safe_load(fh) or {}
-    return profile_from_dict(data, str(p.name))
+    data = read_yaml(p if p.suffix else packaged_config(f"profiles/{name_or_path}.yaml"))
+    return profile_from_dict(data, p.name if p.suffix else f"{name_or_path}.yaml")

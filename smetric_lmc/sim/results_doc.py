@@ -55,7 +55,8 @@ PAPER = {
 
 
 def shared_dir() -> Path:
-    return Path(os.environ.get("SMETRIC_SHARED", Path(__file__).resolve().parents[2] / ".." / "shared"))
+    """$SMETRIC_SHARED, else ``../shared`` from the working directory (run from a checkout)."""
+    return Path(os.environ.get("SMETRIC_SHARED", Path("..") / "shared"))
 
 
 def _settings(base: SimConfig, global_tier: str) -> list[tuple[str, str, SimConfig]]:
@@ -237,7 +238,7 @@ def main_report(args: argparse.Namespace) -> int:
             sw = sweep(wl, knob, cfg_k, ["smetric"], [rate_k], profile=prof, jobs=args.jobs)
             knob_sweeps.append((f"{sweeps[key][0]}, {rate_k:g} sessions/s", sw))
     doc, ratios = build_document(wl, base, prof, sweeps, sens_rows, time.perf_counter() - t0, knob_sweeps)
-    out = Path(args.out) if args.out else Path(__file__).resolve().parents[2] / "docs" / "results.md"
+    out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     print(doc)

@@ -17,6 +17,7 @@ least two session families (shared system prompt / tool definitions), else "inte
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,18 @@ log = logging.getLogger(__name__)
 
 # Log-spaced reuse-interval bins (seconds); interval 0 (same instant) falls in the first bin.
 INTERVAL_EDGES = np.concatenate([[0.0], np.logspace(-3, 7, 201)])
+
+#: The PNGs `plot_report` writes: file name suffix -> the title after "<workload>: ".
+PLOTS: dict[str, str] = {
+    "reuse_breakdown": "reuse breakdown",
+    "reuse_interval_cdf": "reuse interval CDF",
+    "requests_per_session": "requests per session",
+}
+
+
+def plot_names(report: AnalysisReport) -> dict[str, str]:
+    """File name of each plot of `report` (suffix -> file name), as `plot_report` writes them."""
+    return {key: f"{report.name}_{key}.png" for key in PLOTS}
 
 
 def _pct(x: np.ndarray | list[float]) -> dict[str, float]:
@@ -383,48 +396,111 @@ def format_report(report: AnalysisReport) -> str:
             + " | ".join(f"{d[k]:.2f}" for k in ("mean", "p50", "p90", "max"))
             + " |"
         )
+    lines += [
+        "",
+        "Each row replays the requests in arrival order onto the instances, either always to the one with "
+        "the fewest input tokens in the current window (least_tokens) or keeping every follow-up on its "
+        "session's first instance (sticky_sessions), and reports per window the busiest instance's tokens "
+        "over the mean (1.00: perfectly even; the gap between the rows is what stickiness costs in balance).",
+    ]
+    hint = shared_prefix_hint(r)
+    if hint:
+        lines += ["", f"Hint: {hint}"]
+    names = plot_names(r)
+    lines += ["", "## Plots", "", "Written next to this report by `smetric trace analyze --out DIR`:", ""]
+    lines += [f"- [{PLOTS[k]}]({names[k]})" for k in PLOTS]
     return "\n".join(lines) + "\n"
 
 
-def plot_report(report: AnalysisReport, outdir: str | Path) -> list[Path]:
-    """Write PNGs: reuse breakdown bar, reuse-interval CDF, requests-per-session histogram."""
+def shared_prefix_hint(report: AnalysisReport) -> str | None:
+    """Why inter-session reuse reads 0 on a trace whose block ids are conversation-local, and the fix."""
+    r = report
+    if r.meta.get("shared_prefix") is False and r.reuse["inter_session"] == 0 and r.reuse["system_prompt"] == 0:
+        return (
+            "inter-session and system-prompt reuse are 0 because this trace's block ids are local to each "
+            "conversation, so no two sessions can share a block; `--shared-prefix` maps each session's "
+            "system prompt and tool blocks to ids shared by all sessions of the same agent type."
+        )
+    return None
+
+
+def report_figures(report: AnalysisReport) -> Iterator[tuple[str, Any]]:
+    """(file name, open matplotlib figure) of each plot; the caller saves and closes them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = plot_names(report)
+    draw = {"reuse_breakdown": _plot_reuse, "reuse_interval_cdf": _plot_interval_cdf,
+            "requests_per_session": _plot_session_length}
+    for key, title in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        draw[key](ax, report)
+        ax.set_title(f"{report.name}: {title}")
+        fig.tight_layout()
+        yield names[key], fig
+
+
+def plot_report(report: AnalysisReport, outdir: str | Path) -> list[Path]:
+    """Write the PNGs of `PLOTS` (reuse breakdown, reuse-interval CDF, requests per session)."""
+    import matplotlib.pyplot as plt
+
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    r = report
     paths: list[Path] = []
+    for name, fig in report_figures(report):
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    keys = ["intra_session", "inter_session", "system_prompt"]
-    ax.bar(
-        ["intra-session", "inter-session", "system prompt"],
-        [100 * r.reuse[k] for k in keys],
-        color=["C0", "C1", "C2"],
-    )
+
+def _plot_reuse(ax: Any, r: AnalysisReport) -> None:
+    keys = ["total", "intra_session", "inter_session", "system_prompt"]
+    bars = ax.bar(["total", "intra-\nsession", "inter-\nsession", "system\nprompt"],
+                  [100 * r.reuse[k] for k in keys], color=["C7", "C0", "C1", "C2"])
+    ax.bar_label(bars, fmt="%.1f%%")
     ax.set_ylabel("% of request blocks")
-    ax.set_title(f"{r.name}: ideal reuse {100 * r.reuse['total']:.1f}%")
-    fig.tight_layout()
-    paths.append(out / f"{r.name}_reuse.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    ax.set_xlabel("ideal reuse (infinite cache) by source")
+    ax.set_ylim(0, 105)
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.step(r.interval_edges, r.interval_cdf, where="post")
+
+def interval_span(r: AnalysisReport) -> tuple[float, float] | None:
+    """(lower edge of the first, upper edge of the last) reuse-interval bin holding data; None: no reuse."""
+    counts = np.diff(np.concatenate([[0.0], r.interval_cdf]))
+    nonzero = np.flatnonzero(counts > 0)
+    if not len(nonzero):
+        return None
+    lo, hi = int(nonzero[0]), int(nonzero[-1])
+    lower = r.interval_edges[lo - 1] if lo > 0 else r.interval_edges[0] / 10  # bin 0 starts at 0 s
+    return float(lower), float(r.interval_edges[hi])
+
+
+def _plot_interval_cdf(ax: Any, r: AnalysisReport) -> None:
+    span = interval_span(r)
     ax.set_xscale("log")
     ax.set_xlabel("reuse interval (s)")
     ax.set_ylabel("CDF of block reuses")
-    ax.set_title(f"{r.name}: reuse interval")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / f"{r.name}_reuse_interval_cdf.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    if span is None:
+        ax.text(0.5, 0.5, "no block is reused", ha="center", va="center", transform=ax.transAxes)
+        return
+    lower, upper = span
+    keep = (r.interval_edges >= lower) & (r.interval_edges <= upper)
+    x = np.concatenate([[lower], r.interval_edges[keep]])
+    y = np.concatenate([[0.0], r.interval_cdf[keep]])
+    ax.step(x, y, where="post")
+    for q in ("p50", "p90"):
+        v = r.interval_pct[q]
+        if np.isfinite(v):
+            ax.axvline(v, color="C3", alpha=0.5, linestyle="--")
+            ax.annotate(f"{q} {_fmt(v)} s", (v, 0.05 if q == "p50" else 0.15), color="C3", fontsize=8)
+    ax.set_xlim(lower, upper if upper > lower * 1.5 else lower * 1.5)
+    ax.set_ylim(0, 1.02)
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+
+def _plot_session_length(ax: Any, r: AnalysisReport) -> None:
     counts = r.requests_per_session
     if len(counts):
         bins = np.unique(np.logspace(0, np.log10(max(2, counts.max() + 1)), 30).astype(int))
@@ -432,9 +508,3 @@ def plot_report(report: AnalysisReport, outdir: str | Path) -> list[Path]:
         ax.set_xscale("log")
     ax.set_xlabel("requests per session")
     ax.set_ylabel("sessions")
-    ax.set_title(f"{r.name}: session length")
-    fig.tight_layout()
-    paths.append(out / f"{r.name}_turns.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths

