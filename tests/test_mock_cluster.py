@@ -18,7 +18,7 @@ import yaml
 from smetric_lmc.client import RouteClient
 from smetric_lmc.mock_engine.stack import bring_up_mock
 from smetric_lmc.replay.runner import Record, ReplayConfig, replay
-from smetric_lmc.workers import launch, up
+from smetric_lmc.workers import up
 from smetric_lmc.workload import synthetic
 
 N = 16
@@ -28,7 +28,7 @@ OVERLOAD = 1.3  # sheds at 1.3 x mean load: with ~2 sessions an instance, hot sp
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[up.LocalStack]:
     work = tmp_path_factory.mktemp("mock-cluster")
-    args = argparse.Namespace(mock=N, mock_processes=1, host="127.0.0.1", port=launch.free_ports(1)[0],
+    args = argparse.Namespace(mock=N, mock_processes=1, host="127.0.0.1", port=0,
                               policy="smetric", mock_args="--speed 20 --num-gpu-blocks 128")
     s = bring_up_mock(args, work, policy_overrides={"overload": OVERLOAD})
     try:

@@ -91,6 +91,8 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     engines = [MockEngineHandle(i, g) for i, g in started]
+    # Free ports are picked only now: the mock engines' own ports are taken by then (picking before
+    # they start could hand the gateway a port one of them binds a moment later).
     port = args.port or launch.free_ports(1)[0]
     stack = up.LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{port}", "",  # type: ignore[arg-type]
                           processes=list(groups), policy=args.policy)

@@ -110,10 +110,9 @@ def run_live(wl: Workload, profile_path: Path, policy: str, instances: int, rate
              progress: Any = None, after: Callable[[Any], None] | None = None) -> list[Record]:
     """The workload through ``instances`` mock engines, the controller and the gateway."""
     from smetric_lmc.mock_engine.stack import bring_up_mock
-    from smetric_lmc.workers import launch
 
     args = argparse.Namespace(
-        mock=instances, mock_processes=processes, host="127.0.0.1", port=launch.free_ports(1)[0], policy=policy,
+        mock=instances, mock_processes=processes, host="127.0.0.1", port=0, policy=policy,
         mock_args=f"--speed {speed:g} --profile {profile_path} --block-size {wl.block_size}")
     workdir.mkdir(parents=True, exist_ok=True)
     stack = bring_up_mock(args, workdir)
