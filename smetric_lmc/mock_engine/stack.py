@@ -83,8 +83,9 @@ def start_mock_engines(
 
 
 def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: dict[str, Any] | None = None,
-                  metrics_poll_s: float = 1.0) -> up.LocalStack:
-    """``smetric up --mock N``: mock engines, then the controller and the gateway for them."""
+                  metrics_poll_s: float = 1.0, route_timeout_s: float | None = None) -> up.LocalStack:
+    """``smetric up --mock N``: mock engines, then the controller and the gateway for them.
+    ``route_timeout_s``: the gateway's wait for a decision (its default when None)."""
     extra = shlex.split(getattr(args, "mock_args", "") or "")
     started = start_mock_engines(args.mock, workdir, processes=getattr(args, "mock_processes", 1),
                                  extra_args=extra)
@@ -106,7 +107,8 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
         up.write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(up.start_controller(stack.config_path, metrics_port, workdir))
-        stack.processes.append(up.start_gateway(stack.config_path, port, workdir, host=args.host))
+        extra = ["--route-timeout-s", str(route_timeout_s)] if route_timeout_s else []
+        stack.processes.append(up.start_gateway(stack.config_path, port, workdir, host=args.host, extra_args=extra))
     except BaseException:
         stack.stop()
         raise

@@ -115,7 +115,9 @@ def run_live(wl: Workload, profile_path: Path, policy: str, instances: int, rate
         mock=instances, mock_processes=processes, host="127.0.0.1", port=0, policy=policy,
         mock_args=f"--speed {speed:g} --profile {profile_path} --block-size {wl.block_size}")
     workdir.mkdir(parents=True, exist_ok=True)
-    stack = bring_up_mock(args, workdir)
+    # A comparison of routing decisions wants every request routed by the controller: on a loaded
+    # small machine a 1 s route timeout would turn some into the gateway's round-robin fallback.
+    stack = bring_up_mock(args, workdir, route_timeout_s=5.0)
     try:
         route_url = yaml.safe_load(stack.config_path.read_text())["server"]["route_url"]
         warm_up(stack.gateway_url, route_url)
