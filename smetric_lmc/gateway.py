@@ -2,8 +2,8 @@
 
 Per request (``/v1/chat/completions``, ``/v1/completions``):
 
-1. read the prompt's token ids, turn and est_hit (``gateway_prompt.PromptReader``); the header
-   ``X-SMetric-Turn`` overrides the turn counted from ``messages``;
+1. read the prompt's token ids, turn and est_hit (``gateway_prompt.PromptReader``); the headers
+   ``X-SMetric-Turn`` and ``X-SMetric-Est-Hit`` override the turn and est_hit read from the body;
 2. ask the controller's ``route`` (only the prompt's block hashes cross the wire);
 3. forward the client's body, unchanged, to the chosen instance and stream the answer back as
    it arrives (SSE included, byte for byte);
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -234,6 +235,10 @@ class Gateway:
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
             info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
+            # A client that knows its session's cached history (a trace replay) may say so.
+            est = parse_turn_header(request.headers.get("X-SMetric-Est-Hit"), "X-SMetric-Est-Hit")
+            if est is not None:
+                info = dataclasses.replace(info, est_hit_tokens=est)
         except (ValueError, BadRequest) as exc:
             return _error(400, str(exc), "invalid_request_error")
         t_read = time.monotonic()

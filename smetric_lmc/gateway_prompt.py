@@ -45,15 +45,16 @@ class PromptInfo:
     approx_tokens: int  # used for load accounting when token_ids is None
 
 
-def parse_turn_header(value: str | None) -> int | None:
+def parse_turn_header(value: str | None, name: str = "X-SMetric-Turn") -> int | None:
+    """A non-negative integer header (``X-SMetric-Turn``, ``X-SMetric-Est-Hit``), None when absent."""
     if value is None or value.strip() == "":
         return None
     try:
         turn = int(value)
     except ValueError:
-        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}") from None
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}") from None
     if turn < 0:
-        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}")
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}")
     return turn
 
 

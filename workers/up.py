@@ -171,6 +171,10 @@ def _pick(port: int) -> int:
 
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
     check_ports(args.host, {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port})
+    if getattr(args, "mock", 0):
+        from smetric_lmc.mock_engine.stack import bring_up_mock
+
+        return bring_up_mock(args, workdir)
     venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
@@ -274,4 +278,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM --max-model-len (default: 2048 on CPU)")
     p.add_argument("--engine-timeout-s", type=float, default=300.0, help="wait this long for each engine's /health")
     p.add_argument("--workdir", default=None, help="config and logs (default: a new temp dir)")
+    p.add_argument("--mock", type=int, default=0, metavar="N",
+                   help="N mock engines (smetric mock-engine: the simulator's engine model) instead of vLLM")
+    p.add_argument("--mock-processes", type=int, default=1, help="processes the mock engines share")
+    p.add_argument("--mock-args", default="", help="extra `smetric mock-engine` options, e.g. '--speed 10'")
     p.set_defaults(func=run_up)

@@ -44,8 +44,9 @@ def _floats(text: str | None) -> list[float] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report", "map"), default="run",
-                   help="run (default); report: regenerate docs/results.md; map: the regime map")  # fmt: skip
+    p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate"), default="run",
+                   help="run (default); report: regenerate docs/results.md; map: the regime map; calibrate: "
+                        "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
     p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
     p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
@@ -70,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for sweeps")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
+    from smetric_lmc.replay.cli import add_calibration_arguments
+
+    add_calibration_arguments(p)
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -118,6 +122,10 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.map_cli import main_map
 
         return main_map(args)
+    if args.action in ("calibrate", "validate"):
+        from smetric_lmc.replay.cli import run_calibration_action
+
+        return run_calibration_action(args)
     wl = load_workload(args)
     cfg = base_config(args)
     prof = load_profile(args.profile or cfg.profile)
