@@ -16,6 +16,15 @@ enforced when a source that speaks even while the engine is idle exists (engine-
 LMCache heartbeats), since an idle engine emits no KV events and would otherwise leave routing for
 being idle.
 
+Circuit breaker: where a source that speaks while idle exists (the same condition), an instance
+enters routing only after its first sign of life, not at start. A failed engine-metrics poll, or a
+``done`` whose ``error`` is ``connect`` (the gateway could not connect to the engine), takes it out
+at once ("open"), index kept and marked stale as above; the poller then re-probes it on a short
+doubling backoff ("half-open"), and the first successful probe makes it routable again. While open,
+KV events and LMCache messages still update its index but do not re-admit it: only the probe, which
+is the engine's HTTP server answering, does. Without a poller, an instance the gateway reported
+unreachable is re-admitted after ``load.breaker_probe_s`` (doubling per repeated trip).
+
 Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
 the index failed on, marks the instance's entries stale in the same way, never clears them.
 
@@ -138,6 +147,7 @@ class ControllerApp:
             stats_fn=self._extra_stats,
             global_store_fn=self.global_store_state,
             limits=cfg.limits,
+            on_engine_error=self.engine_unreachable,
         )
         srv = cfg.server
         self.service = RouteService(
@@ -161,6 +171,8 @@ class ControllerApp:
         self._liveness_enforced = cfg.load.instance_timeout_s > 0 and (
             cfg.load.metrics_poll_s > 0 or cfg.lmcache.enabled
         )
+        self._open: dict[str, str] = {}  # breaker open: instance -> why it was taken out
+        self._trips: dict[str, int] = dict.fromkeys(self._ids, 0)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._started = 0.0
@@ -171,7 +183,7 @@ class ControllerApp:
     async def start(self) -> None:
         self._started = time.monotonic()
         for iid in self._ids:
-            self._register(iid)
+            self._register(iid, routable=not self._liveness_enforced)
         self.service.bind()
         self._spawn("route-service", self.service.run)
         self._start_subscribers()
@@ -365,28 +377,68 @@ class ControllerApp:
             grace_s=self.cfg.load.lost_done_grace_s,
             timeout_s=self.cfg.load.metrics_timeout_s,
             on_result=self._poll_result,
+            probe_s=self.cfg.load.breaker_probe_s,
         )
         self._spawn("engine-metrics", self.poller.run)
 
     # ---- liveness ---------------------------------------------------------------------------------
-    def _register(self, iid: str) -> None:
+    def _register(self, iid: str, *, routable: bool = True) -> None:
         self.index.register_instance(iid)
         self.load.add_instance(iid)
-        self._routable.add(iid)
+        if routable:
+            self._routable.add(iid)
         self._last_seen[iid] = time.monotonic()
         self.core.set_silent(self._known - self._routable)
 
-    def _seen(self, iid: str) -> None:
+    def _seen(self, iid: str, *, probe: bool = False) -> None:
         if iid not in self._known:
             return
         self._last_seen[iid] = time.monotonic()
-        if iid not in self._routable:
-            log.info("instance back: routable again instance=%s", iid)
-            self._register(iid)
+        if iid in self._routable:
+            return
+        if iid in self._open:
+            if not probe and self.poller is not None:
+                return  # an open breaker closes on the engine's HTTP probe only
+            log.info("instance back: breaker closed, routable again instance=%s was=%s", iid, self._open.pop(iid))
+        else:
+            log.info("instance alive: routable instance=%s", iid)
+        self._register(iid)
 
     def _poll_result(self, iid: str, ok: bool) -> None:
         if ok:
-            self._seen(iid)
+            self._seen(iid, probe=True)
+        else:
+            self._trip(iid, "metrics_poll_failed")
+
+    def engine_unreachable(self, iid: str, kind: str) -> None:
+        """A gateway could not reach ``iid`` (``done`` with an ``error``): out of routing at once."""
+        if kind != "connect" or iid not in self._known:
+            return
+        self._trip(iid, "gateway_connect_failed")
+        if self.poller is not None:
+            self.poller.probe_now(iid)
+
+    def _trip(self, iid: str, why: str) -> None:
+        """Open the breaker: no new requests, in-flight load forgotten, index kept and marked stale."""
+        if iid in self._open:
+            return
+        self._open[iid] = why
+        self._trips[iid] = self._trips.get(iid, 0) + 1
+        self.index.mark_stale(iid)
+        if iid in self._routable:
+            self._routable.discard(iid)
+            self.load.remove_instance(iid)
+            self.core.set_silent(self._known - self._routable)
+        log.warning("instance unreachable: breaker open, out of routing, index kept as stale instance=%s why=%s",
+                    iid, why)
+        if self.poller is None:  # nothing probes it: half-open after a doubling cool-down
+            delay = self.cfg.load.breaker_probe_s * 2 ** min(self._trips[iid] - 1, 6)
+            asyncio.get_running_loop().call_later(delay, self._half_open, iid)
+
+    def _half_open(self, iid: str) -> None:
+        if self._open.pop(iid, None) is not None and not self._stop.is_set():
+            log.info("instance half-open: routable again until it fails instance=%s", iid)
+            self._register(iid)
 
     def check_liveness(self, now: float | None = None) -> list[str]:
         """Take instances silent for longer than the timeout out of routing; returns their ids.
@@ -495,7 +547,8 @@ class ControllerApp:
             "route_socket": {**self.service.counters, **self.service.curve_counts},
             "reloads": dict(self.reloads),
             "liveness": {
-                iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3)}
+                iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3),
+                      "breaker_open": self._open.get(iid), "breaker_trips": self._trips.get(iid, 0)}
                 for iid in self._ids
             },
             "kv_events": {iid: dataclasses.asdict(s.stats) for iid, s in self.subscribers.items()},

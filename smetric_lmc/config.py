@@ -127,6 +127,11 @@ class LoadConfig(_Cfg):
     metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
+    breaker_probe_s: float = 0.25  # first re-probe of an instance taken out (doubles up to metrics_poll_s)
+
+    def __post_init__(self) -> None:
+        if self.breaker_probe_s <= 0:
+            raise ValueError("breaker_probe_s must be > 0")
 
 
 class LimitsConfig(_Cfg):
