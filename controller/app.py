@@ -25,6 +25,12 @@ KV events and LMCache messages still update its index but do not re-admit it: on
 is the engine's HTTP server answering, does. Without a poller, an instance the gateway reported
 unreachable is re-admitted after ``load.breaker_probe_s`` (doubling per repeated trip).
 
+Restart: with ``snapshot.path`` set the index is written there every ``snapshot.interval_s`` (and
+at a clean stop) with each instance's last applied KV-event batch (``smetric_lmc.index.snapshot``).
+At start it is reloaded, each subscriber replays its engine's events from the batch after the
+snapshot's, and until every replay has finished the controller routes by load (``index_ready``
+false). A snapshot that does not load (corrupt, other hashing) is logged and ignored.
+
 Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
 the index failed on, marks the instance's entries stale in the same way, never clears them.
 
@@ -51,6 +57,7 @@ import zmq.asyncio
 from smetric_lmc.config import Config, ConfigError, load_config
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
+from smetric_lmc.index import snapshot as index_snapshot
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 
@@ -177,6 +184,9 @@ class ControllerApp:
         self._stop = asyncio.Event()
         self._started = 0.0
         self._config_stamp: tuple[int, int] | None = None
+        self._resume_at: dict[str, tuple[int | None, float | None]] = {}
+        self.snapshot_stats: dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "restored_blocks": 0,
+                                               "last_write_s": None, "catch_up_s": None}
         self.reloads = {"applied": 0, "rejected": 0, "unchanged": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -184,9 +194,11 @@ class ControllerApp:
         self._started = time.monotonic()
         for iid in self._ids:
             self._register(iid, routable=not self._liveness_enforced)
+        self._restore_snapshot()
         self.service.bind()
         self._spawn("route-service", self.service.run)
         self._start_subscribers()
+        self._resume_subscribers()
         await self._start_lmcache()
         self._start_global_tier()
         self._start_poller()
@@ -197,6 +209,8 @@ class ControllerApp:
             await self.metrics_server.start()
         if self._liveness_enforced:
             self._spawn("liveness", self._liveness_loop)
+        if self.cfg.snapshot.path:
+            self._spawn("snapshot", self._snapshot_loop)
         if self.config_path is not None:
             self._config_stamp = _stamp(self.config_path)
             if self.reload_poll_s > 0:
@@ -232,6 +246,8 @@ class ControllerApp:
         self._stop.set()
 
     async def close(self) -> None:
+        if self.cfg.snapshot.path and self._started and not self.core.catching_up:
+            await self.write_snapshot()
         closers: list[Callable[[], Awaitable[Any]]] = [self.service.close]
         if self.poller is not None:
             closers.append(self.poller.close)
@@ -466,6 +482,71 @@ class ControllerApp:
             await asyncio.sleep(period)
             self.check_liveness()
 
+    # ---- snapshots ------------------------------------------------------------------------------
+    def _restore_snapshot(self) -> None:
+        path = self.cfg.snapshot.path
+        if not path:
+            return
+        t0 = time.monotonic()
+        try:
+            snap = index_snapshot.read(path)
+            if snap is None:
+                log.info("index snapshot: none at %s; starting empty", path)
+                return
+            restored = index_snapshot.restore(self.index, snap, self._known)
+        except (index_snapshot.SnapshotError, OSError) as exc:
+            log.error("index snapshot: %s not loaded (%s); starting empty", path, exc)
+            return
+        self.snapshot_stats["restored_blocks"] = sum(restored.values())
+        self._resume_at = {iid: (i.seq, i.ts) for iid, i in snap.instances.items() if iid in self._known}
+        log.info("index snapshot: restored %d blocks of %d instances from %s (age %.1fs) in %.2fs",
+                 sum(restored.values()), len(restored), path, time.time() - snap.created, time.monotonic() - t0)
+
+    def _resume_subscribers(self) -> None:
+        waiting = []
+        for iid, (seq, ts) in self._resume_at.items():
+            sub = self.subscribers.get(iid)
+            if sub is not None and seq is not None:
+                sub.resume(seq, ts)
+                waiting.append(sub)
+        if waiting:
+            self.core.catching_up = True  # route by load until the replays are in
+            self._spawn("snapshot-catch-up", lambda: self._await_catch_up(waiting))
+
+    async def _await_catch_up(self, subs: list[Any]) -> None:
+        t0 = time.monotonic()
+        await asyncio.gather(*(s.caught_up.wait() for s in subs))
+        self.core.catching_up = False
+        self.snapshot_stats["catch_up_s"] = round(time.monotonic() - t0, 3)
+        log.info("index snapshot: %d engines replayed since the snapshot in %.2fs: routing by policy",
+                 len(subs), time.monotonic() - t0)
+
+    async def write_snapshot(self) -> bool:
+        """Snapshot the index now; True when written. The export runs on the loop (index and event
+        positions from the same instant), the encoding and the file on a thread."""
+        path = self.cfg.snapshot.path
+        if not path:
+            return False
+        t0 = time.monotonic()
+        snap = index_snapshot.take(self.index, {iid: s.position() for iid, s in self.subscribers.items()})
+        try:
+            size = await asyncio.to_thread(index_snapshot.write, path, snap)
+        except OSError as exc:
+            self.snapshot_stats["failed"] += 1
+            log.error("index snapshot: cannot write %s: %s", path, exc)
+            return False
+        self.snapshot_stats["written"] += 1
+        self.snapshot_stats["bytes"] = size
+        self.snapshot_stats["last_write_s"] = round(time.monotonic() - t0, 3)
+        log.debug("index snapshot: %d blocks, %d bytes to %s", snap.blocks(), size, path)
+        return True
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.snapshot.interval_s)
+            if not self.core.catching_up:  # the restored one stays until replays are in
+                await self.write_snapshot()
+
     # ---- hot reload -------------------------------------------------------------------------------
     async def _watch_config(self) -> None:
         assert self.config_path is not None
@@ -546,6 +627,7 @@ class ControllerApp:
             "global_store": self.global_store_state(),
             "route_socket": {**self.service.counters, **self.service.curve_counts},
             "reloads": dict(self.reloads),
+            "snapshot": dict(self.snapshot_stats),
             "liveness": {
                 iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3),
                       "breaker_open": self._open.get(iid), "breaker_trips": self._trips.get(iid, 0)}

@@ -113,6 +113,7 @@ class RouteCore:
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
+        self.catching_up = False
         self.counters: dict[str, int] = {
             "route": 0,
             "done": 0,
@@ -131,7 +132,10 @@ class RouteCore:
     # ---- state -------------------------------------------------------------------------------
     @property
     def index_ready(self) -> bool:
-        """True once any local-tier data reached the index since start (latches)."""
+        """True once any local-tier data reached the index since start (latches); False while the
+        owner says the index is catching up (a restored snapshot whose events are replaying)."""
+        if self.catching_up:
+            return False
         if not self._ready:
             s = self.index.stats
             if s["gpu_stored"] or s["lmcache_admitted"]:

@@ -134,6 +134,15 @@ class LoadConfig(_Cfg):
             raise ValueError("breaker_probe_s must be > 0")
 
 
+class SnapshotConfig(_Cfg):
+    path: str | None = None  # index snapshot file; None: no snapshots (off)
+    interval_s: float = 10.0  # how often it is rewritten (and once more at a clean stop)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+
+
 class LimitsConfig(_Cfg):
     """Bounds on what a peer may send; anything above is refused with a reason and counted."""
 
@@ -168,6 +177,7 @@ class Config(_Cfg):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
