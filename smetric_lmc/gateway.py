@@ -15,7 +15,9 @@ The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason
 (connect error, 5xx) is reported ``done ok=false`` and the request is retried once on another
 instance; if that fails too the client gets a 502 JSON error naming both attempts. When the
 controller does not answer, the gateway routes round-robin over the configured instances, says
-so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``.
+so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``. With several
+controller replicas (``--controller a,b``) a replica that does not answer within the route timeout
+is skipped for the next; the fallback starts only when none answers.
 ``X-SMetric-Index-Ready: false`` marks decisions made while the controller's index was still empty
 (load balance). ``/metrics`` serves the gateway's Prometheus metrics (``gateway_metrics.py``).
 
@@ -602,7 +604,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     )
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help=f"the controller's YAML: instances, block size, route URL (default: {DEFAULT_CONFIG})")
-    p.add_argument("--controller", default=None, help="route service URL (default: server.route_url of --config)")
+    p.add_argument("--controller", default=None,
+                   help="route service URL, or comma-separated replicas tried in turn "
+                        "(default: server.route_url of --config)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--tokenizer", default=None,

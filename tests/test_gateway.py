@@ -165,7 +165,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     cleanups: list[Any] = []
 
     async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
-                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None) -> Stack:
+                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None,
+                    dead_replica: bool = False) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -198,7 +199,9 @@ async def make_stack() -> AsyncIterator[StackFactory]:
 
             app.core._done = spy  # type: ignore[method-assign]
         gw_cfg = parse_config({**raw, "hashing": gateway_hashing}) if gateway_hashing is not None else cfg
-        gw = Gateway(gw_cfg, route_timeout_s=0.3, controller_retry_s=30.0)
+        # dead_replica: the gateway lists a controller replica nobody answers at, before the real one.
+        urls = f"tcp://127.0.0.1:{free_ports(1)[0]},{cfg.server.route_url}" if dead_replica else None
+        gw = Gateway(gw_cfg, urls, route_timeout_s=0.3, controller_retry_s=30.0)
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]
@@ -525,3 +528,14 @@ async def test_connect_error_takes_the_instance_out_of_the_controllers_routing(m
     # The controller balanced the first turn onto "dead" at most once: the report took it out.
     assert len(failed) == 1 and failed[0].error == "connect" and failed[0].ok is False
     assert s.controller.routable() == ["e0"]
+
+
+async def test_gateway_fails_over_to_a_controller_replica(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(dead_replica=True)
+    for _ in range(3):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200 and "X-SMetric-Fallback" not in resp.headers
+        assert resp.headers["X-SMetric-Reason"] != "gateway_round_robin"
+    assert s.gateway._client is not None and s.gateway._client.failovers == 1
+    await s.wait_dones(3)
+    assert s.controller is not None and len(s.controller.load) == 0
