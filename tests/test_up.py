@@ -81,7 +81,7 @@ import signal, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell leaves a background job
-from smetric_lmc.workers import launch, supervise, up
+from smetric_lmc.workers import launch, up
 tmp = Path(sys.argv[1])
 child = launch.ProcessGroup(["sh", "-c", "sleep 60 & sleep 60"], {}, tmp / "child.log", "child")
 def bring_up(args, workdir):
