@@ -142,11 +142,6 @@ class LocalStack:
     route_url: str = ""
     policy: str = ""
 
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.processes) and all(
-            e.process.poll() is None for e in self.engines
-        )
-
     def stop(self) -> None:
         # Front to back: no new requests reach engines that are going away.
         for proc in reversed(self.processes):
