@@ -12,7 +12,8 @@ the subscriber follows. Afterwards a valid route must succeed.
 
 Prints a report, then ONE JSON line with the keys of the reliability issue this run measures:
 ``{"malformed_frames", "controller_crashes", "unanswered_requests", "max_loop_stall_ms",
-"rss_growth_mb"}``. ``malformed_frames`` counts what the controller received (its own counters),
+"rss_growth_mb"}``, then (unless ``--no-faults``) ``bench/faults.py``'s ``dead_engine_out_s``,
+``engine_back_s``, ``restart_index_equal``, ``restart_first_route_s``. ``malformed_frames`` counts what the controller received (its own counters),
 not what was sent. Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall <= 50 ms,
 RSS growth <= 50 MB.
 """
@@ -267,8 +268,16 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=100_000, help="malformed messages in total")
     p.add_argument("--huge-share", type=float, default=0.002, help="share of huge messages (MBs each)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-faults", action="store_true", help="skip the dead-engine and restart figures (bench/faults.py)")
     args = p.parse_args()
     out = asyncio.run(run(args))
+    if not args.no_faults:
+        import faults  # bench/faults.py: dead engine out/back, controller kill -9 and restart
+
+        details = asyncio.run(faults.measure())
+        out["faults"] = details
+        out["json"].update({k: details[k] for k in ("dead_engine_out_s", "engine_back_s", "restart_index_equal",
+                                                    "restart_first_route_s")})
     report = {k: v for k, v in out.items() if k != "json"}
     for k, v in report.items():
         print(f"{k}: {v}")

@@ -34,6 +34,9 @@ class PolicyConfig(_Cfg):
     hit_ratio: float = 0.5  # SMetric HIT_RATIO
     bailian_lambda: float = 0.9  # weight of the miss term in the bailian linear score
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
+    # smetric_cost (our variant; hit_ratio above labels its moves): share of a computed token's cost
+    # that fetching it from the global tier saves
+    cost_fetch_discount: float = 0.9
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -45,6 +48,8 @@ class PolicyConfig(_Cfg):
             raise ValueError("hit_ratio must be within [0, 1]")
         if not 0 <= self.bailian_lambda <= 1:
             raise ValueError("bailian_lambda must be within [0, 1]")
+        if not 0 <= self.cost_fetch_discount <= 1:
+            raise ValueError("cost_fetch_discount must be within [0, 1]")
 
 
 class InstanceConfig(_Cfg):
@@ -127,6 +132,20 @@ class LoadConfig(_Cfg):
     metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
+    breaker_probe_s: float = 0.25  # first re-probe of an instance taken out (doubles up to metrics_poll_s)
+
+    def __post_init__(self) -> None:
+        if self.breaker_probe_s <= 0:
+            raise ValueError("breaker_probe_s must be > 0")
+
+
+class SnapshotConfig(_Cfg):
+    path: str | None = None  # index snapshot file; None: no snapshots (off)
+    interval_s: float = 10.0  # how often it is rewritten (and once more at a clean stop)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
 
 
 class LimitsConfig(_Cfg):
@@ -163,6 +182,7 @@ class Config(_Cfg):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

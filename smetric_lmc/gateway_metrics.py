@@ -50,7 +50,7 @@ class AttemptRecord:
     first_byte: float | None
     prompt_tokens: int
     output_tokens: int
-    est_hit_tokens: int
+    est_hit_tokens: int | None  # None: no turn history was estimated (counted as 0)
     predicted_local_tokens: int
     cached_tokens: int | None  # None: the engine did not report it
 
@@ -183,7 +183,7 @@ class GatewayMetrics:
             self.cached_unreported.labels(backend=inst).inc()
             return
         for stage, n in zip(FUNNEL_STAGES,
-                            (a.prompt_tokens, a.est_hit_tokens, a.predicted_local_tokens, a.cached_tokens)):
+                            (a.prompt_tokens, a.est_hit_tokens or 0, a.predicted_local_tokens, a.cached_tokens)):
             self.funnel.labels(backend=inst, stage=stage).inc(n)
 
     def observe_upstream_failure(self, instance: str, *, mid_response: bool) -> None:

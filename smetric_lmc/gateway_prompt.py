@@ -45,15 +45,16 @@ class PromptInfo:
     approx_tokens: int  # used for load accounting when token_ids is None
 
 
-def parse_turn_header(value: str | None) -> int | None:
+def parse_turn_header(value: str | None, name: str = "X-SMetric-Turn") -> int | None:
+    """A non-negative integer header (``X-SMetric-Turn``, ``X-SMetric-Est-Hit``), None when absent."""
     if value is None or value.strip() == "":
         return None
     try:
         turn = int(value)
     except ValueError:
-        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}") from None
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}") from None
     if turn < 0:
-        raise BadRequest(f"X-SMetric-Turn must be a non-negative integer, got {value!r}")
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}")
     return turn
 
 
@@ -193,6 +194,7 @@ class UsageSniffer:
         self._overflow = False
         self.usage: dict[str, Any] | None = None
         self.content_chunks = 0  # streamed chunks that carried generated text
+        self.complete = False  # an SSE stream's ``data: [DONE]`` went by: the answer is whole
 
     def feed(self, chunk: bytes) -> None:
         if self._overflow:
@@ -225,7 +227,10 @@ class UsageSniffer:
         if not line.startswith(b"data:"):
             return
         data = line[5:].strip()
-        if not data or data == b"[DONE]":
+        if data == b"[DONE]":
+            self.complete = True
+            return
+        if not data:
             return
         try:
             obj = json.loads(data)

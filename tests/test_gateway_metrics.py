@@ -123,3 +123,17 @@ async def test_controller_down_is_visible(make_stack: StackFactory, stream: bool
     # Nothing was routed by the controller, but the answers are still timed and counted.
     assert m.value("smetric_gateway_request_duration_seconds_count") == 2
     assert m.value("smetric_gateway_ttft_seconds_count") == (2 if stream else 0)
+
+
+def test_an_attempt_without_an_est_hit_estimate_is_counted_not_fatal() -> None:
+    """A completion routed without any history estimate (and no controller decision) still
+    lands in the funnel, with its est_hit stage counted as 0."""
+    from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
+
+    m = GatewayMetrics(["e0"])
+    m.in_flight.labels(backend="e0").inc()
+    m.observe_attempt(AttemptRecord("e0", True, True, 0.0, 1.0, 0.2, 100, 5, None, 0, 32))
+    prompt = m.registry.get_sample_value("smetric_gateway_cache_funnel_tokens_total", {"backend": "e0", "stage": "prompt"})
+    assert prompt == 100
+    assert m.registry.get_sample_value("smetric_gateway_cache_funnel_tokens_total",
+                                       {"backend": "e0", "stage": "est_hit"}) == 0

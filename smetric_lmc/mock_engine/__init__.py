@@ -1,0 +1,1 @@
+"""Protocol-true mock vLLM engines whose timing and cache come from the simulator's engine model."""

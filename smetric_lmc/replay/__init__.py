@@ -1,0 +1,1 @@
+"""Trace replay against live OpenAI-compatible endpoints (``smetric replay``)."""

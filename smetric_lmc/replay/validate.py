@@ -1,0 +1,206 @@
+"""``smetric sim validate``: the simulator against real vLLM engines on this machine.
+
+Starts N vLLM CPU engines (tiny local model) with the controller and the gateway (the ``smetric
+up`` machinery), calibrates a profile on engine 0, then per policy: clears every engine's prefix
+cache, switches the controller's policy (hot reload), replays one small workload through the
+gateway, and simulates the same workload with the calibrated profile. Live and simulated runs are
+compared on throughput (tokens over the run), TTFT p50, local-hit ratio, stickiness and
+route-reason mix; the policies are ranked by throughput in both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smetric_lmc.replay.calibrate import Calibration, calibrate
+from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up
+from smetric_lmc.replay.prompts import scale_workload
+from smetric_lmc.replay.runner import ReplayConfig, replay
+from smetric_lmc.replay.summary import summarize_records
+from smetric_lmc.sim.metrics import SimResult
+from smetric_lmc.workload.model import TraceSession, Workload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RealPoint:
+    policy: str
+    live: SimResult
+    sim: SimResult
+    api_overhead_s: float
+
+    def row(self) -> dict[str, Any]:
+        ls, ss = self.live.summary, self.sim.summary
+        return {"policy": self.policy, "tput_live": run_tps(self.live), "tput_sim": run_tps(self.sim),
+                "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": ss["ttft_p50"] + self.api_overhead_s,
+                "hit_live": ls["hit_local"], "hit_sim": ss["hit_local"],
+                "sticky_live": ls["stickiness"], "sticky_sim": ss["stickiness"],
+                "reasons_live": reason_shares(ls), "reasons_sim": reason_shares(ss)}
+
+
+def run_tps(res: SimResult) -> float:
+    """Input + output tokens of served requests over first arrival .. last finish (both runs alike)."""
+    c = res.cols
+    ok = ~c["rejected"].astype(bool)
+    if not ok.any():
+        return 0.0
+    dur = float(np.nanmax(c["finish"][ok]) - np.nanmin(c["arrival"][ok]))
+    return float((c["input"][ok] + c["output"][ok]).sum() / max(dur, 1e-9))
+
+
+def small_workload(sessions: int, turns: int, context_scale: float, output_scale: float, seed: int = 0) -> Workload:
+    """Synthetic agent sessions cut to ``turns`` requests, scaled to fit a CPU engine."""
+    from smetric_lmc.workload import synthetic
+
+    wl = synthetic(sessions, seed=seed)
+    roots = [TraceSession(s.session_id, s.requests[:turns]) for s in wl.sessions if s.parent_id is None]
+    return scale_workload(Workload(wl.name, wl.block_size, roots), context_scale, output_scale)
+
+
+def _path_overhead(gateway: str, cal: Calibration, n: int = 9) -> float:
+    """Median first-token time of tiny requests through the gateway minus the modelled iteration:
+    the HTTP/routing/API path the simulator does not model."""
+    import asyncio
+
+    from smetric_lmc.replay.calibrate import _Prober
+
+    async def run() -> list[float]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            pr = _Prober(http, gateway, "tiny", 4096, seed=99)
+            return [(await pr.timed(pr.tokens(32), 1))[0] for _ in range(n)]
+
+    times = asyncio.run(run())
+    return max(0.0, float(np.median(times)) - cal.profile.iteration_time([(32, 0)], 0, 0))
+
+
+def _reset_caches(engines: list[Any]) -> None:
+    """Empty every engine's prefix cache, and make sure the controller has heard about it: vLLM queues
+    ``AllBlocksCleared`` and publishes it with its next step, so an idle engine is given one tiny
+    request (shorter than a block: it stores nothing)."""
+    for e in engines:
+        _post(f"{e.http_url}/reset_prefix_cache")
+    for e in engines:
+        body = json.dumps({"model": e.model, "prompt": [5, 6, 7], "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"{e.http_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+    time.sleep(1.0)  # the batch reaches the controller's subscriber
+
+
+def real_available() -> str | None:
+    """Why the real-engine validation cannot run here (None: it can)."""
+    from smetric_lmc.workers import launch
+
+    py = launch.engine_python()
+    if not py.exists():
+        return f"no vLLM engine venv at {launch.engine_venv_dir()} (bash .ci/engine-venv.sh builds it)"
+    return None
+
+
+def _post(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=30) as r:
+        r.read()
+
+
+def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url: str) -> None:
+    from smetric_lmc.client import RouteClient
+    from smetric_lmc.workers import up
+
+    data["policy"]["name"] = policy
+    up.write_config(data, config_path)
+    with RouteClient(route_url) as c:
+        deadline = time.monotonic() + 30
+        while c.stats()["policy"]["name"] != policy:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"controller did not switch to policy {policy}")
+            time.sleep(0.2)
+
+
+DEFAULT_POLICIES = ("smetric", "load_balance", "cache_first")
+
+
+def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
+                  sessions: int = 16, turns: int = 8, context_scale: float = 0.03, output_scale: float = 0.03,
+                  rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
+
+    The default workload saturates the engines (closed loop, no think time, short outputs): then
+    throughput depends on what the policy saves in prefill, and the policies can be ranked."""
+    from smetric_lmc.workers import launch, up
+
+    work.mkdir(parents=True, exist_ok=True)
+    venv = launch.find_engine_venv()
+    python = launch.engine_python(venv)
+    model = launch.build_tiny_model(venv.parent / "models" / "tiny-qwen2", python=python)
+    specs = launch.cpu_test_specs(engines, model, python=python, block_size=32)
+    print(f"starting {engines} vLLM CPU engines (about a minute)...", flush=True)
+    running = launch.start_engines(specs, work, timeout_s=600)
+    procs: list[launch.ProcessGroup] = []
+    try:
+        cal: Calibration = calibrate(running[0].http_url, work / "calibrated.yaml", model_dir=model)
+        print(cal.report())
+        route_port, metrics_port = launch.free_ports(2)
+        route_url = f"tcp://127.0.0.1:{route_port}"
+        data = up.controller_config(running, route_url=route_url, metrics_port=metrics_port, policy=policies[0])
+        config_path = up.write_config(data, work / "smetric.yaml")
+        procs.append(up.start_controller(config_path, metrics_port, work))
+        gw_port = launch.free_ports(1)[0]
+        procs.append(up.start_gateway(config_path, gw_port, work))
+        gateway = f"http://127.0.0.1:{gw_port}"
+        warm_up(gateway, route_url)
+        path_s = _path_overhead(gateway, cal)
+        print(f"request path (client -> gateway -> controller -> engine API -> first token) on an idle engine: "
+              f"{path_s * 1e3:.1f} ms beyond the first iteration; added to simulated TTFTs", flush=True)
+        wl = small_workload(sessions, turns, context_scale, output_scale, seed)
+        points: list[RealPoint] = []
+        for pol in policies:
+            _set_policy(config_path, data, pol, route_url)
+            _reset_caches(running)
+            records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
+                                              records=work / f"{pol}.jsonl"))
+            live = summarize_records(records, policy=pol)
+            sim = simulate_like(wl, cal.profile, pol, engines, rate, seed, max_think_s)
+            points.append(RealPoint(pol, live, sim, path_s))
+            print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim):.0f} tok/s; "
+                  f"{live.summary['failed']} failed", flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout_s=10.0)
+        for e in running:
+            e.process.stop()
+    rows = [p.row() for p in points]
+    (work / "validation.json").write_text(json.dumps(rows, default=float, indent=1))
+    print(table(rows))
+    rank_live = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_live"])]
+    rank_sim = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_sim"])]
+    print(f"ranking by throughput: live {rank_live}, sim {rank_sim}")
+    return {
+        "engines": engines,
+        "policies": list(policies),
+        "hit_abs_err_max": round(max(abs(r["hit_live"] - r["hit_sim"]) for r in rows), 4),
+        "tput_rel_err_max": round(max(abs(r["tput_sim"] / r["tput_live"] - 1) for r in rows), 4),
+        "ttft_p50_rel_err_max": round(max(abs(r["ttft_p50_sim"] / r["ttft_p50_live"] - 1) for r in rows), 4),
+        "rank_agree": rank_live == rank_sim,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["policy", "tok/s live", "sim", "TTFT p50 live", "sim", "local hit live", "sim", "sticky live", "sim"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
+                     f"{r['ttft_p50_sim']:.3f} | {r['hit_live']:.3f} | {r['hit_sim']:.3f} | "
+                     f"{r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
+    return "\n".join(lines) + "\n"

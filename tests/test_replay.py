@@ -1,0 +1,152 @@
+"""smetric replay: token ids that carry a trace's block sharing, checked against an engine's own
+prefix cache (the mock engine's cached_tokens, vLLM's rule: whole blocks, never the last token)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from smetric_lmc.mock_engine.cli import options, running_mocks
+from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
+from smetric_lmc.replay.runner import Replay, ReplayConfig
+from smetric_lmc.replay.summary import summarize_records
+from smetric_lmc.sim.cluster import chained_lcp
+from smetric_lmc.workload import synthetic
+from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
+
+
+def _req(ids: list[int], extra: int = 0) -> TraceRequest:
+    return TraceRequest(0.0, 64 * len(ids) + extra, 8, np.asarray(ids, dtype=np.uint64))
+
+
+def test_equal_block_ids_give_equal_token_blocks_and_nothing_else_is_shared() -> None:
+    sp = TokenSpace(4096, 16)
+    a = prompt_tokens(_req([1, 2, 3, 4], extra=10), 64, sp, salt=1)
+    b = prompt_tokens(_req([1, 2, 9, 10], extra=10), 64, sp, salt=2)
+    assert len(a) == len(b) == 4 * 64 + 10
+    assert a[:128] == b[:128]
+    # Past the shared blocks no 32-token engine block is equal, and the unshared tails differ.
+    assert all(a[i : i + 32] != b[i : i + 32] for i in range(128, 256, 32))
+    assert a[256:] != b[256:]
+    assert min(a + b) >= 16 and max(a + b) < 4096
+    with pytest.raises(ValueError):
+        TokenSpace(16, 16)
+
+
+def test_context_scale_keeps_prefix_structure() -> None:
+    ids = np.arange(1, 101, dtype=np.uint64)
+    other = ids.copy()
+    other[60:] += 1000  # shares 60 blocks
+    for scale in (0.5, 0.25, 0.1):
+        n = int(100 * scale)
+        sa, sb = scaled_ids(ids, n, scale), scaled_ids(other, n, scale)
+        assert len(sa) == n and abs(chained_lcp(sa, sb) - 60 * scale) <= 1
+
+
+def _small_agent_workload(sessions: int, turns: int) -> Workload:
+    wl = synthetic(sessions, seed=3)
+    roots = [TraceSession(s.session_id, s.requests[:turns]) for s in wl.sessions if s.parent_id is None]
+    return Workload("small-agents", wl.block_size, roots)
+
+
+async def test_replay_reproduces_the_traces_block_sharing() -> None:
+    """Every request's cached_tokens equals the longest recorded prefix it shares with any request
+    that finished before it was sent (its predecessor, for an agent's follow-up), in whole blocks."""
+    wl = _small_agent_workload(sessions=3, turns=6)
+    async with running_mocks(options(speed=400.0)) as mocks:
+        url = mocks[0][0].http_url
+        rp = Replay(wl, ReplayConfig(url=url, rate=50.0, time_scale=0.0005, seed=1, feedback=False))
+        records = await rp.run()
+    assert len(records) == sum(len(s.requests) for s in wl.sessions)
+    assert all(r.ok for r in records), [r.error for r in records if not r.ok]
+    by_id = {s.session_id: s for s in wl.sessions}
+    followups_checked = 0
+    for r in records:
+        tr = by_id[r.session_id].requests[r.request]
+        cap = (r.input - 1) // 32 * 32
+        done_before = [q for q in records if q.finish <= r.arrival]
+        shared = max((chained_lcp(by_id[q.session_id].requests[q.request].block_ids, tr.block_ids)
+                      for q in done_before), default=0)
+        assert r.cached_tokens == min(shared * wl.block_size, cap), (r.session_id, r.request)
+        if r.request > 0:
+            prev = by_id[r.session_id].requests[r.request - 1]
+            if chained_lcp(prev.block_ids, tr.block_ids) == shared:
+                followups_checked += 1
+    assert followups_checked >= 10  # the predecessor is what a follow-up shares most with
+    res = summarize_records(records)
+    total_in = sum(r.input for r in records)
+    assert res.summary["hit_local"] == pytest.approx(sum(r.cached_tokens or 0 for r in records) / total_in)
+    assert res.summary["hit_local"] > 0.5
+
+
+async def test_scaled_replay_and_skipped_requests() -> None:
+    """Context scaling shrinks prompts; requests over the engine's max_model_len (learned from
+    /v1/models) are skipped as rejected, not sent."""
+    wl = _small_agent_workload(sessions=2, turns=4)
+    async with running_mocks(options(speed=400.0, max_model_len=2500)) as mocks:
+        url = mocks[0][0].http_url
+        records = await Replay(wl, ReplayConfig(url=url, rate=50.0, time_scale=0.0005, context_scale=0.05,
+                                                output_scale=0.5)).run()
+    for r in records:
+        tr = next(s for s in wl.sessions if s.session_id == r.session_id).requests[r.request]
+        assert r.input == round(tr.input_tokens * 0.05)
+        assert r.rejected == (r.input + r.output > 2500)
+        assert r.ok != r.rejected
+        if r.ok:
+            assert r.completion_tokens == r.output == max(1, round(tr.output_tokens * 0.5))
+    assert any(r.ok and r.cached_tokens for r in records)
+
+
+def check_feedback(records: list, block: int) -> int:
+    """A follow-up that resent its predecessor's answer hits the predecessor's prompt and answer, in
+    whole blocks: the engine cached the generated tokens too. Returns how many were checked."""
+    by_key = {(r.session, r.request): r for r in records}
+    checked = 0
+    for r in records:
+        if r.answer_reused and r.ok:
+            prev = by_key[(r.session, r.request - 1)]
+            assert r.answer_reused == prev.completion_tokens
+            expect = min((prev.input + prev.completion_tokens) // block * block, (r.input - 1) // block * block)
+            assert r.cached_tokens == expect, (r.session, r.request, r.cached_tokens, expect)
+            checked += 1
+    return checked
+
+
+async def test_replay_resends_the_generated_answer_and_it_hits() -> None:
+    wl = _small_agent_workload(sessions=2, turns=6)
+    async with running_mocks(options(speed=400.0)) as mocks:
+        records = await Replay(wl, ReplayConfig(url=mocks[0][0].http_url, rate=50.0, time_scale=0.0005,
+                                                context_scale=0.1, output_scale=0.1)).run()
+    assert all(r.ok for r in records)
+    assert check_feedback(records, 32) >= 5
+
+
+def test_smetric_replay_command(tmp_path) -> None:
+    """The console command end to end against a mock engine process: tables, JSON summary, records."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready.json"
+    engine = subprocess.Popen([sys.executable, "-m", "smetric_lmc.cli", "mock-engine", "--speed", "200",
+                               "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        url = json.loads(ready.read_text())["instances"][0]["http_url"]
+        out = subprocess.run(
+            [sys.executable, "-m", "smetric_lmc.cli", "replay", "--url", url, "--sessions", "2", "--rate", "20",
+             "--time-scale", "0.0005", "--context-scale", "0.05", "--output-scale", "0.05", "--quiet", "--json",
+             "--records", str(tmp_path / "r.jsonl")], capture_output=True, text=True, timeout=120)
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| policy | TPS in SLO |" in out.stdout
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert summary["requests"] == len(rows) > 10 and summary["failed"] == 0
+    assert 0 < summary["hit_local"] < 1
