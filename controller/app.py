@@ -46,6 +46,7 @@ from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 
 from .engine_metrics import EngineMetricsPoller
+from .memory import trim_periodically, tune_malloc
 from .metrics import (
     ControllerMetrics,
     InstanceState,
@@ -174,6 +175,8 @@ class ControllerApp:
             self._register(iid)
         self.service.bind()
         self._spawn("route-service", self.service.run)
+        tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
+        self._spawn("memory-trim", trim_periodically)
         self._start_subscribers()
         await self._start_lmcache()
         self._start_global_tier()
