@@ -55,6 +55,7 @@ from .metrics import (
     StateCollector,
     SubscriberState,
 )
+from .replicas import LoadShare
 from .service import RouteCore, RouteService
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,11 @@ class ControllerApp:
             curve_client_keys=srv.curve_client_keys or None,
             ctx=self.ctx,
         )
+        self.share: LoadShare | None = None
+        if cfg.replicas.pub_url:
+            self.share = LoadShare(self.load, cfg.replicas.id, cfg.replicas.pub_url,
+                                   cfg.replicas.peers, ctx=self.ctx)
+            self.share.attach(self.core)
         self.sink = LiveSink(self.index, self._seen)
         self.subscribers: dict[str, Any] = {}
         self.lmcache_server: Any = None
@@ -177,6 +183,9 @@ class ControllerApp:
         self._spawn("route-service", self.service.run)
         tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
         self._spawn("memory-trim", trim_periodically)
+        if self.share is not None:
+            self.share.bind()
+            self._spawn("load-share", self.share.run)
         self._start_subscribers()
         await self._start_lmcache()
         self._start_global_tier()
@@ -224,6 +233,8 @@ class ControllerApp:
 
     async def close(self) -> None:
         closers: list[Callable[[], Awaitable[Any]]] = [self.service.close]
+        if self.share is not None:
+            closers.append(self.share.close)
         if self.poller is not None:
             closers.append(self.poller.close)
         closers += [s.close for s in self.subscribers.values()]

@@ -125,10 +125,11 @@ class RouteCore:
             "hash_mismatch": 0,
         }
         self.errors_by_code: dict[str, int] = {}
-        # Hooks for replicas sharing load (controller.replicas): called after a local route
-        # assigned an instance and after a done released an in-flight request.
+        # Hooks for replicas sharing load (controller.replicas): called after a route assigned an
+        # instance, and for every done and prefilled report (known here or not).
         self.on_routed: Callable[[str, str, int, RouteDecision], None] | None = None
-        self.on_released: Callable[[str], None] | None = None
+        self.on_done_report: Callable[[str], None] | None = None
+        self.on_prefilled_report: Callable[[str], None] | None = None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -226,7 +227,10 @@ class RouteCore:
         if isinstance(req, PrefilledReport):
             self.counters["prefilled"] += 1
             check_request_id(req.request_id)
-            return PrefilledAck(request_id=req.request_id, applied=self.load.on_prefilled(req.request_id)), None
+            applied = self.load.on_prefilled(req.request_id)
+            if self.on_prefilled_report is not None:
+                self.on_prefilled_report(req.request_id)
+            return PrefilledAck(request_id=req.request_id, applied=applied), None
         if isinstance(req, StatsRequest):
             self.counters["stats"] += 1
             return StatsReply(stats=self.stats()), None
@@ -288,8 +292,8 @@ class RouteCore:
         self.counters["done"] += 1
         check_request_id(req.request_id)
         released = self.load.on_done(req.request_id)
-        if released and self.on_released is not None:
-            self.on_released(req.request_id)
+        if self.on_done_report is not None:
+            self.on_done_report(req.request_id)
         if self.metrics is not None:
             self.metrics.observe_done(released, req.ok)
         return DoneAck(request_id=req.request_id, released=released)

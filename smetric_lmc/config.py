@@ -129,6 +129,14 @@ class LoadConfig(_Cfg):
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
 
 
+class ReplicasConfig(_Cfg):
+    """Controller replicas sharing in-flight load (see controller/replicas.py)."""
+
+    id: str = ""  # this replica's name, unique among its peers ("" = the route endpoint)
+    pub_url: str = ""  # where this replica publishes its routed/done/prefilled counts ("" = no sharing)
+    peers: list[str] = []  # the other replicas' pub_url
+
+
 class LimitsConfig(_Cfg):
     """Bounds on what a peer may send; anything above is refused with a reason and counted."""
 
@@ -163,6 +171,7 @@ class Config(_Cfg):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    replicas: ReplicasConfig = msgspec.field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
