@@ -16,6 +16,21 @@ enforced when a source that speaks even while the engine is idle exists (engine-
 LMCache heartbeats), since an idle engine emits no KV events and would otherwise leave routing for
 being idle.
 
+Circuit breaker: where a source that speaks while idle exists (the same condition), an instance
+enters routing only after its first sign of life, not at start. A failed engine-metrics poll, or a
+``done`` whose ``error`` is ``connect`` (the gateway could not connect to the engine), takes it out
+at once ("open"), index kept and marked stale as above; the poller then re-probes it on a short
+doubling backoff ("half-open"), and the first successful probe makes it routable again. While open,
+KV events and LMCache messages still update its index but do not re-admit it: only the probe, which
+is the engine's HTTP server answering, does. Without a poller, an instance the gateway reported
+unreachable is re-admitted after ``load.breaker_probe_s`` (doubling per repeated trip).
+
+Restart: with ``snapshot.path`` set the index is written there every ``snapshot.interval_s`` (and
+at a clean stop) with each instance's last applied KV-event batch (``smetric_lmc.index.snapshot``).
+At start it is reloaded, each subscriber replays its engine's events from the batch after the
+snapshot's, and until every replay has finished the controller routes by load (``index_ready``
+false). A snapshot that does not load (corrupt, other hashing) is logged and ignored.
+
 Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
 the index failed on, marks the instance's entries stale in the same way, never clears them.
 
@@ -42,6 +57,7 @@ import zmq.asyncio
 from smetric_lmc.config import Config, ConfigError, load_config
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
+from smetric_lmc.index import snapshot as index_snapshot
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 
@@ -140,6 +156,7 @@ class ControllerApp:
             stats_fn=self._extra_stats,
             global_store_fn=self.global_store_state,
             limits=cfg.limits,
+            on_engine_error=self.engine_unreachable,
         )
         srv = cfg.server
         self.service = RouteService(
@@ -168,17 +185,23 @@ class ControllerApp:
         self._liveness_enforced = cfg.load.instance_timeout_s > 0 and (
             cfg.load.metrics_poll_s > 0 or cfg.lmcache.enabled
         )
+        self._open: dict[str, str] = {}  # breaker open: instance -> why it was taken out
+        self._trips: dict[str, int] = dict.fromkeys(self._ids, 0)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._started = 0.0
         self._config_stamp: tuple[int, int] | None = None
+        self._resume_at: dict[str, tuple[int | None, float | None]] = {}
+        self.snapshot_stats: dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "restored_blocks": 0,
+                                               "last_write_s": None, "catch_up_s": None}
         self.reloads = {"applied": 0, "rejected": 0, "unchanged": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self._started = time.monotonic()
         for iid in self._ids:
-            self._register(iid)
+            self._register(iid, routable=not self._liveness_enforced)
+        self._restore_snapshot()
         self.service.bind()
         self._spawn("route-service", self.service.run)
         tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
@@ -187,6 +210,7 @@ class ControllerApp:
             self.share.bind()
             self._spawn("load-share", self.share.run)
         self._start_subscribers()
+        self._resume_subscribers()
         await self._start_lmcache()
         self._start_global_tier()
         self._start_poller()
@@ -197,6 +221,8 @@ class ControllerApp:
             await self.metrics_server.start()
         if self._liveness_enforced:
             self._spawn("liveness", self._liveness_loop)
+        if self.cfg.snapshot.path:
+            self._spawn("snapshot", self._snapshot_loop)
         if self.config_path is not None:
             self._config_stamp = _stamp(self.config_path)
             if self.reload_poll_s > 0:
@@ -232,6 +258,8 @@ class ControllerApp:
         self._stop.set()
 
     async def close(self) -> None:
+        if self.cfg.snapshot.path and self._started and not self.core.catching_up:
+            await self.write_snapshot()
         closers: list[Callable[[], Awaitable[Any]]] = [self.service.close]
         if self.share is not None:
             closers.append(self.share.close)
@@ -379,28 +407,68 @@ class ControllerApp:
             grace_s=self.cfg.load.lost_done_grace_s,
             timeout_s=self.cfg.load.metrics_timeout_s,
             on_result=self._poll_result,
+            probe_s=self.cfg.load.breaker_probe_s,
         )
         self._spawn("engine-metrics", self.poller.run)
 
     # ---- liveness ---------------------------------------------------------------------------------
-    def _register(self, iid: str) -> None:
+    def _register(self, iid: str, *, routable: bool = True) -> None:
         self.index.register_instance(iid)
         self.load.add_instance(iid)
-        self._routable.add(iid)
+        if routable:
+            self._routable.add(iid)
         self._last_seen[iid] = time.monotonic()
         self.core.set_silent(self._known - self._routable)
 
-    def _seen(self, iid: str) -> None:
+    def _seen(self, iid: str, *, probe: bool = False) -> None:
         if iid not in self._known:
             return
         self._last_seen[iid] = time.monotonic()
-        if iid not in self._routable:
-            log.info("instance back: routable again instance=%s", iid)
-            self._register(iid)
+        if iid in self._routable:
+            return
+        if iid in self._open:
+            if not probe and self.poller is not None:
+                return  # an open breaker closes on the engine's HTTP probe only
+            log.info("instance back: breaker closed, routable again instance=%s was=%s", iid, self._open.pop(iid))
+        else:
+            log.info("instance alive: routable instance=%s", iid)
+        self._register(iid)
 
     def _poll_result(self, iid: str, ok: bool) -> None:
         if ok:
-            self._seen(iid)
+            self._seen(iid, probe=True)
+        else:
+            self._trip(iid, "metrics_poll_failed")
+
+    def engine_unreachable(self, iid: str, kind: str) -> None:
+        """A gateway could not reach ``iid`` (``done`` with an ``error``): out of routing at once."""
+        if kind != "connect" or iid not in self._known:
+            return
+        self._trip(iid, "gateway_connect_failed")
+        if self.poller is not None:
+            self.poller.probe_now(iid)
+
+    def _trip(self, iid: str, why: str) -> None:
+        """Open the breaker: no new requests, in-flight load forgotten, index kept and marked stale."""
+        if iid in self._open:
+            return
+        self._open[iid] = why
+        self._trips[iid] = self._trips.get(iid, 0) + 1
+        self.index.mark_stale(iid)
+        if iid in self._routable:
+            self._routable.discard(iid)
+            self.load.remove_instance(iid)
+            self.core.set_silent(self._known - self._routable)
+        log.warning("instance unreachable: breaker open, out of routing, index kept as stale instance=%s why=%s",
+                    iid, why)
+        if self.poller is None:  # nothing probes it: half-open after a doubling cool-down
+            delay = self.cfg.load.breaker_probe_s * 2 ** min(self._trips[iid] - 1, 6)
+            asyncio.get_running_loop().call_later(delay, self._half_open, iid)
+
+    def _half_open(self, iid: str) -> None:
+        if self._open.pop(iid, None) is not None and not self._stop.is_set():
+            log.info("instance half-open: routable again until it fails instance=%s", iid)
+            self._register(iid)
 
     def check_liveness(self, now: float | None = None) -> list[str]:
         """Take instances silent for longer than the timeout out of routing; returns their ids.
@@ -427,6 +495,71 @@ class ControllerApp:
         while True:
             await asyncio.sleep(period)
             self.check_liveness()
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def _restore_snapshot(self) -> None:
+        path = self.cfg.snapshot.path
+        if not path:
+            return
+        t0 = time.monotonic()
+        try:
+            snap = index_snapshot.read(path)
+            if snap is None:
+                log.info("index snapshot: none at %s; starting empty", path)
+                return
+            restored = index_snapshot.restore(self.index, snap, self._known)
+        except (index_snapshot.SnapshotError, OSError) as exc:
+            log.error("index snapshot: %s not loaded (%s); starting empty", path, exc)
+            return
+        self.snapshot_stats["restored_blocks"] = sum(restored.values())
+        self._resume_at = {iid: (i.seq, i.ts) for iid, i in snap.instances.items() if iid in self._known}
+        log.info("index snapshot: restored %d blocks of %d instances from %s (age %.1fs) in %.2fs",
+                 sum(restored.values()), len(restored), path, time.time() - snap.created, time.monotonic() - t0)
+
+    def _resume_subscribers(self) -> None:
+        waiting = []
+        for iid, (seq, ts) in self._resume_at.items():
+            sub = self.subscribers.get(iid)
+            if sub is not None and seq is not None:
+                sub.resume(seq, ts)
+                waiting.append(sub)
+        if waiting:
+            self.core.catching_up = True  # route by load until the replays are in
+            self._spawn("snapshot-catch-up", lambda: self._await_catch_up(waiting))
+
+    async def _await_catch_up(self, subs: list[Any]) -> None:
+        t0 = time.monotonic()
+        await asyncio.gather(*(s.caught_up.wait() for s in subs))
+        self.core.catching_up = False
+        self.snapshot_stats["catch_up_s"] = round(time.monotonic() - t0, 3)
+        log.info("index snapshot: %d engines replayed since the snapshot in %.2fs: routing by policy",
+                 len(subs), time.monotonic() - t0)
+
+    async def write_snapshot(self) -> bool:
+        """Snapshot the index now; True when written. The export runs on the loop (index and event
+        positions from the same instant), the encoding and the file on a thread."""
+        path = self.cfg.snapshot.path
+        if not path:
+            return False
+        t0 = time.monotonic()
+        snap = index_snapshot.take(self.index, {iid: s.position() for iid, s in self.subscribers.items()})
+        try:
+            size = await asyncio.to_thread(index_snapshot.write, path, snap)
+        except OSError as exc:
+            self.snapshot_stats["failed"] += 1
+            log.error("index snapshot: cannot write %s: %s", path, exc)
+            return False
+        self.snapshot_stats["written"] += 1
+        self.snapshot_stats["bytes"] = size
+        self.snapshot_stats["last_write_s"] = round(time.monotonic() - t0, 3)
+        log.debug("index snapshot: %d blocks, %d bytes to %s", snap.blocks(), size, path)
+        return True
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.snapshot.interval_s)
+            if not self.core.catching_up:  # the restored one stays until replays are in
+                await self.write_snapshot()
 
     # ---- hot reload -------------------------------------------------------------------------------
     async def _watch_config(self) -> None:
@@ -508,8 +641,10 @@ class ControllerApp:
             "global_store": self.global_store_state(),
             "route_socket": {**self.service.counters, **self.service.curve_counts},
             "reloads": dict(self.reloads),
+            "snapshot": dict(self.snapshot_stats),
             "liveness": {
-                iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3)}
+                iid: {"routable": iid in self._routable, "seconds_since_seen": round(now - self._last_seen.get(iid, now), 3),
+                      "breaker_open": self._open.get(iid), "breaker_trips": self._trips.get(iid, 0)}
                 for iid in self._ids
             },
             "kv_events": {iid: dataclasses.asdict(s.stats) for iid, s in self.subscribers.items()},

@@ -6,6 +6,11 @@ ranks) goes to ``LoadTracker.reconcile``, with the waiting count on its own as t
 prefill progress (requests the engine has not scheduled have not been prefilled). A poll that fails (connection refused, timeout,
 non-200, unparsable text, or neither gauge present) is counted and marks the instance's engine
 metrics unhealthy; the controller's liveness rule decides what that means for routing.
+
+Re-probe: an instance whose last poll failed is polled again after ``probe_s``, doubling per
+further failure up to the regular interval (the half-open probe of the controller's circuit
+breaker), so an engine that comes back is seen within about a second instead of a full period.
+``probe_now`` asks for an immediate poll of one instance (the gateway reported it unreachable).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class EngineMetricsPoller:
         grace_s: float = 30.0,
         timeout_s: float | None = None,
         on_result: Callable[[str, bool], None] | None = None,
+        probe_s: float = 0.25,
     ) -> None:
         self.targets = {iid: url.rstrip("/") + "/metrics" for iid, url in targets.items()}
         self.load = load
@@ -87,7 +93,10 @@ class EngineMetricsPoller:
         # A poll must finish before the next one is due, or slow engines would pile up requests.
         self.timeout_s = timeout_s if timeout_s is not None else max(0.2, min(5.0, interval_s * 0.8))
         self.on_result = on_result
+        self.probe_s = min(probe_s, interval_s)
         self.state: dict[str, PollState] = {iid: PollState() for iid in targets}
+        self._due: dict[str, float] = dict.fromkeys(targets, 0.0)  # monotonic time of each next poll
+        self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -100,22 +109,50 @@ class EngineMetricsPoller:
         self._task = asyncio.current_task()
         try:
             while not self._closing:
-                started = time.monotonic()
-                await self.poll_once()
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+                now = time.monotonic()
+                due = [iid for iid, t in self._due.items() if t <= now]
+                if due:
+                    await self.poll_once(due)
+                    continue
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(self._due.values(), default=now + self.interval_s) - now)
         except asyncio.CancelledError:
             if not self._closing:
                 raise
         finally:
             await self._close_session()
 
-    async def poll_once(self) -> None:
+    def probe_now(self, instance_id: str) -> None:
+        """Poll ``instance_id`` at once (the next loop turn) instead of at its scheduled time."""
+        if instance_id in self._due:
+            self._due[instance_id] = 0.0
+            self._wake.set()
+
+    def _schedule(self, instance_id: str, st: PollState) -> None:
+        # A failing instance is re-probed soon (doubling), a healthy one every interval.
+        delay = self.interval_s
+        if st.consecutive_failures:
+            delay = min(self.interval_s, self.probe_s * 2 ** min(st.consecutive_failures - 1, 16))
+        self._due[instance_id] = time.monotonic() + delay
+
+    async def poll_once(self, instance_ids: list[str] | None = None) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        await asyncio.gather(*(self._poll(iid, url) for iid, url in self.targets.items()))
+        ids = list(self.targets) if instance_ids is None else instance_ids
+        for iid in ids:  # not due again while this poll runs
+            self._due[iid] = float("inf")
+        await asyncio.gather(*(self._poll(iid, self.targets[iid]) for iid in ids))
 
     async def _poll(self, instance_id: str, url: str) -> None:
         st = self.state[instance_id]
+        try:
+            await self._poll_one(instance_id, url, st)
+        finally:
+            if self._due.get(instance_id) == float("inf"):  # probe_now during the poll wins
+                self._schedule(instance_id, st)
+
+    async def _poll_one(self, instance_id: str, url: str, st: PollState) -> None:
         st.polls += 1
         try:
             count, waiting = await self._fetch(url)

@@ -90,8 +90,10 @@ class RouteCore:
         stats_fn: Callable[[], dict[str, Any]] | None = None,
         global_store_fn: Callable[[], str] | None = None,
         limits: LimitsConfig | None = None,
+        on_engine_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.limits = limits or LimitsConfig()
+        self._on_engine_error = on_engine_error  # (instance_id, error kind) of a done that carries one
         self.index = index
         self.load = load
         self.router = router
@@ -111,6 +113,7 @@ class RouteCore:
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
+        self.catching_up = False
         self.counters: dict[str, int] = {
             "route": 0,
             "done": 0,
@@ -134,7 +137,10 @@ class RouteCore:
     # ---- state -------------------------------------------------------------------------------
     @property
     def index_ready(self) -> bool:
-        """True once any local-tier data reached the index since start (latches)."""
+        """True once any local-tier data reached the index since start (latches); False while the
+        owner says the index is catching up (a restored snapshot whose events are replaying)."""
+        if self.catching_up:
+            return False
         if not self._ready:
             s = self.index.stats
             if s["gpu_stored"] or s["lmcache_admitted"]:
@@ -294,6 +300,8 @@ class RouteCore:
         released = self.load.on_done(req.request_id)
         if self.on_done_report is not None:
             self.on_done_report(req.request_id)
+        if req.error is not None and req.instance_id is not None and self._on_engine_error is not None:
+            self._on_engine_error(req.instance_id, req.error)
         if self.metrics is not None:
             self.metrics.observe_done(released, req.ok)
         return DoneAck(request_id=req.request_id, released=released)

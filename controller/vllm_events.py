@@ -425,6 +425,9 @@ class VllmEventSubscriber:
         self._last_ts: float | None = None
         self._closing = False
         self._task: asyncio.Task[Any] | None = None
+        self._resume = False
+        self.caught_up = asyncio.Event()  # set once a resumed subscriber replayed what it missed
+        self.caught_up.set()
 
         self._bind = (not vllm_binds(endpoint)) if bind is None else bind
         sub = self._ctx.socket(zmq.SUB)
@@ -451,11 +454,45 @@ class VllmEventSubscriber:
     def binds(self) -> bool:
         return self._bind
 
+    def position(self) -> tuple[int | None, float | None]:
+        """(seq, ts) of the last batch applied: what a snapshot records to ``resume`` from."""
+        return self.stats.last_seq, self._last_ts
+
+    def resume(self, last_seq: int, last_ts: float | None) -> None:
+        """Continue after a snapshot's batch ``last_seq``: ``run`` first replays from
+        ``last_seq + 1``, then ``caught_up`` is set. Call before ``run``. What replay cannot bring
+        back (no replay endpoint, the engine unreachable) leaves the instance's entries stale; an
+        engine that restarted meanwhile shows as a restart at its first live batch (seq back,
+        newer timestamp) and is cleared."""
+        self.stats.last_seq, self._last_ts = last_seq, last_ts
+        self._resume = True
+        self.caught_up.clear()
+
+    async def _catch_up(self) -> None:
+        self._resume = False
+        try:
+            last = self.stats.last_seq
+            assert last is not None
+            if self._replay_endpoint is None:
+                log.warning("vLLM events %s: resumed after batch %d without a replay endpoint; entries stale",
+                            self.instance_id, last)
+                self._mark_stale()
+                return
+            before = self.stats.replay_failures
+            await self._fill(last + 1)
+            if self.stats.replay_failures > before:
+                self._mark_stale()
+            log.info("vLLM events %s: caught up from batch %d to %s", self.instance_id, last, self.stats.last_seq)
+        finally:
+            self.caught_up.set()
+
     async def run(self) -> None:
         """Receive and apply batches until ``close()``."""
         self._task = asyncio.current_task()
         n = 0
         try:
+            if self._resume:
+                await self._catch_up()
             while not self._closing:
                 n += 1
                 if n % 64 == 0:

@@ -17,6 +17,14 @@ take the settings from the controller (``hash_settings()``) so they match its in
 carries its root, and the controller refuses (``hash_mismatch``) hashes from any other. Errors from the controller raise ``RouteError(code, message)``; no reply within
 ``timeout_s`` raises ``RouteTimeout`` and the socket is replaced, so a late reply can never be
 taken for the answer to the next request.
+
+Replicas: ``url`` may be a list of controller replicas (or one string of comma-separated URLs).
+A call that times out or fails in transport is retried on the next replica, ``retries`` times
+(default: once per other replica), each attempt with its own ``timeout_s``; the client stays on
+the replica that answered. Only when every attempt failed does the call raise (the last error).
+A ``route`` that timed out may still have been counted by the replica that was slow; its load is
+released when that replica's in-flight entry expires (``load.lost_done_grace_s``) or its engine
+metrics say so.
 """
 
 from __future__ import annotations
@@ -156,63 +164,91 @@ def _curve_setup(
     sock.curve_secretkey = secret_key.encode()
 
 
+def replica_urls(url: str | Sequence[str]) -> list[str]:
+    """Controller URLs from one URL, a comma-separated string or a list; at least one."""
+    parts = url.split(",") if isinstance(url, str) else list(url)
+    urls = [u.strip() for u in parts if u and u.strip()]
+    if not urls:
+        raise ValueError("no controller URL given")
+    return urls
+
+
+def _failover(exc: RouteError) -> bool:
+    """Worth another replica: no answer (timeout, refused handshake) or a broken transport."""
+    return isinstance(exc, RouteTimeout) or exc.code == "transport"
+
+
 class _Base:
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         json: bool = False,
         timeout_s: float = 2.0,
+        retries: int | None = None,
         curve_server_key: str | None = None,
         curve_public_key: str | None = None,
         curve_secret_key: str | None = None,
     ) -> None:
-        self.url = url
+        self.urls = replica_urls(url)
+        self._cur = 0
         self.json = json
         self.timeout_s = timeout_s
+        self.retries = len(self.urls) - 1 if retries is None else retries
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.failovers = 0  # calls moved on to another replica
         self._curve = (curve_server_key, curve_public_key, curve_secret_key)
 
-    def _configure(self, sock: zmq.Socket) -> None:
+    @property
+    def url(self) -> str:
+        """The replica calls go to now."""
+        return self.urls[self._cur]
+
+    def _next_replica(self, failed: str) -> None:
+        if self.url == failed:  # concurrent failures on one replica move on once
+            self._cur = (self._cur + 1) % len(self.urls)
+            self.failovers += 1
+
+    def _configure(self, sock: zmq.Socket, url: str) -> HandshakeWatch:
         sock.setsockopt(zmq.LINGER, 0)
         # Queue nothing for a controller we are not connected to: a request that times out must
         # not be delivered (and counted as load) minutes later when the controller comes back.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         _curve_setup(sock, *self._curve)
-        self._close_watch()
-        self._watch: HandshakeWatch | None = HandshakeWatch(sock)
-        sock.connect(self.url)
+        watch = HandshakeWatch(sock)
+        sock.connect(url)
+        return watch
 
-    def _timeout(self, message: str) -> RouteTimeout:
-        """A timeout, or a refusal when the handshake failed (no reply will ever come)."""
-        watch = getattr(self, "_watch", None)
-        reason = watch.failure() if watch is not None else None
-        return RouteRefused(f"{self.url}: {reason}") if reason else RouteTimeout(message)
 
-    def _close_watch(self) -> None:
-        watch, self._watch = getattr(self, "_watch", None), None
-        if watch is not None:
-            watch.close()
+def _timeout(watch: HandshakeWatch | None, url: str, message: str) -> RouteTimeout:
+    """A timeout, or a refusal when the handshake failed (no reply will ever come)."""
+    reason = watch.failure() if watch is not None else None
+    return RouteRefused(f"{url}: {reason}") if reason else RouteTimeout(message)
 
 
 class RouteClient(_Base):
     """Blocking client; one request at a time (use one client per thread)."""
 
-    def __init__(self, url: str, *, ctx: zmq.Context | None = None, **kw: Any) -> None:
+    def __init__(self, url: str | Sequence[str], *, ctx: zmq.Context | None = None, **kw: Any) -> None:
         super().__init__(url, **kw)
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._watch: HandshakeWatch | None = None
         self._seq = itertools.count()
         self._tag = os.urandom(4)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
-            self._configure(sock)
+            self._watch = self._configure(sock, self.url)
             self._sock = sock
         return self._sock
 
     def _reset(self) -> None:
-        self._close_watch()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -227,16 +263,28 @@ class RouteClient(_Base):
         self.close()
 
     def _call(self, msg: msgspec.Struct) -> Any:
+        payload = encode(msg, json=self.json)
+        for attempt in range(self.retries + 1):
+            url = self.url
+            try:
+                return self._call_once(payload, url)
+            except RouteError as exc:
+                if not _failover(exc) or attempt == self.retries:
+                    raise
+                self._next_replica(url)
+        raise AssertionError("unreachable")
+
+    def _call_once(self, payload: bytes, url: str) -> Any:
         sock = self._socket()
         corr = self._tag + next(self._seq).to_bytes(8, "big")
         timeout_ms = max(1, int(self.timeout_s * 1000))
         try:
             if not sock.poll(timeout_ms, zmq.POLLOUT):
-                raise self._timeout(f"controller at {self.url} not reachable within {self.timeout_s}s")
-            sock.send_multipart([corr, b"", encode(msg, json=self.json)], flags=zmq.NOBLOCK)
+                raise _timeout(self._watch, url, f"controller at {url} not reachable within {self.timeout_s}s")
+            sock.send_multipart([corr, b"", payload], flags=zmq.NOBLOCK)
             while True:
                 if not sock.poll(timeout_ms, zmq.POLLIN):
-                    raise self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
+                    raise _timeout(self._watch, url, f"no reply from {url} within {self.timeout_s}s")
                 frames = sock.recv_multipart()
                 if len(frames) == 3 and frames[0] == corr and frames[1] == b"":
                     return _decode(frames[2])
@@ -274,36 +322,46 @@ class RouteClient(_Base):
         return _expect(self._call(InstancesRequest()), InstancesReply).instances
 
 
-class AsyncRouteClient(_Base):
-    """asyncio client; concurrent calls share one socket, replies matched by correlation frame."""
+class _Conn:
+    """One replica's socket, its reply reader and the calls waiting on it."""
 
-    def __init__(self, url: str, *, ctx: zmq.asyncio.Context | None = None, **kw: Any) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, watch: HandshakeWatch) -> None:
+        self.sock = sock
+        self.watch = watch
+        self.pending: dict[bytes, asyncio.Future[Any]] = {}
+        self.reader: asyncio.Task[None] | None = None
+
+
+class AsyncRouteClient(_Base):
+    """asyncio client; concurrent calls share one socket per replica, replies matched by
+    correlation frame."""
+
+    def __init__(self, url: str | Sequence[str], *, ctx: zmq.asyncio.Context | None = None, **kw: Any) -> None:
         super().__init__(url, **kw)
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[bytes, asyncio.Future[Any]] = {}
+        self._conns: dict[str, _Conn] = {}
         self._seq = itertools.count()
         self._tag = os.urandom(4)
         self.late_replies = 0
 
-    def _socket(self) -> zmq.asyncio.Socket:
-        if self._sock is None:
+    def _conn(self, url: str) -> _Conn:
+        conn = self._conns.get(url)
+        if conn is None:
             sock = self._ctx.socket(zmq.DEALER)
-            self._configure(sock)
-            self._sock = sock
-            self._reader = asyncio.get_running_loop().create_task(self._read(sock))
-        return self._sock
+            conn = _Conn(sock, self._configure(sock, url))
+            conn.reader = asyncio.get_running_loop().create_task(self._read(conn))
+            self._conns[url] = conn
+        return conn
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read(self, conn: _Conn) -> None:
         while True:
             try:
-                frames = await sock.recv_multipart()
+                frames = await conn.sock.recv_multipart()
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
             if len(frames) != 3 or frames[1] != b"":
                 continue
-            fut = self._pending.pop(frames[0], None)
+            fut = conn.pending.pop(frames[0], None)
             if fut is None or fut.done():
                 self.late_replies += 1  # answer to a request that already timed out
                 continue
@@ -313,41 +371,57 @@ class AsyncRouteClient(_Base):
                 fut.set_exception(exc)
 
     async def _call(self, msg: msgspec.Struct) -> Any:
-        sock = self._socket()
+        payload = encode(msg, json=self.json)
+        for attempt in range(self.retries + 1):
+            url = self.url
+            try:
+                return await self._call_once(payload, url)
+            except RouteError as exc:
+                if not _failover(exc) or attempt == self.retries:
+                    raise
+                self._next_replica(url)
+        raise AssertionError("unreachable")
+
+    async def _call_once(self, payload: bytes, url: str) -> Any:
+        conn = self._conn(url)
         corr = self._tag + next(self._seq).to_bytes(8, "big")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[corr] = fut
         loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        conn.pending[corr] = fut
         deadline = loop.time() + self.timeout_s
         try:
-            await asyncio.wait_for(sock.send_multipart([corr, b"", encode(msg, json=self.json)]), self.timeout_s)
+            await asyncio.wait_for(conn.sock.send_multipart([corr, b"", payload]), self.timeout_s)
             return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            self._pending.pop(corr, None)
-            error = self._timeout(f"no reply from {self.url} within {self.timeout_s}s")
-            if not self._pending:
+            conn.pending.pop(corr, None)
+            error = _timeout(conn.watch, url, f"no reply from {url} within {self.timeout_s}s")
+            if not conn.pending:
                 # Nothing else in flight: drop the socket so anything still queued for the
                 # controller is discarded rather than delivered late.
-                await self._reset()
+                await self._drop(url)
             raise error from None
         except zmq.ZMQError as exc:
-            self._pending.pop(corr, None)
+            conn.pending.pop(corr, None)
             raise RouteError("transport", str(exc)) from exc
 
-    async def _reset(self) -> None:
-        reader, self._reader = self._reader, None
-        sock, self._sock = self._sock, None
-        self._close_watch()
-        if reader is not None:
-            reader.cancel()
+    async def _drop(self, url: str) -> None:
+        conn = self._conns.pop(url, None)
+        if conn is None:
+            return
+        conn.watch.close()
+        if conn.reader is not None:
+            conn.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await reader
-        if sock is not None:
-            sock.close(linger=0)
-        for fut in self._pending.values():
+                await conn.reader
+        conn.sock.close(linger=0)
+        for fut in conn.pending.values():
             if not fut.done():
                 fut.set_exception(RouteError("transport", "client closed"))
-        self._pending.clear()
+        conn.pending.clear()
+
+    async def _reset(self) -> None:
+        for url in list(self._conns):
+            await self._drop(url)
 
     async def close(self) -> None:
         await self._reset()

@@ -127,12 +127,26 @@ class LoadConfig(_Cfg):
     metrics_timeout_s: float = 10.0  # a busy CPU engine's API server can take seconds to answer
     lost_done_grace_s: float = 30.0  # in-flight entries older than this may be healed by engine metrics
     instance_timeout_s: float = 30.0  # silent instance leaves routing after this
+    breaker_probe_s: float = 0.25  # first re-probe of an instance taken out (doubles up to metrics_poll_s)
+
+    def __post_init__(self) -> None:
+        if self.breaker_probe_s <= 0:
+            raise ValueError("breaker_probe_s must be > 0")
+
+
+class SnapshotConfig(_Cfg):
+    path: str | None = None  # index snapshot file; None: no snapshots (off)
+    interval_s: float = 10.0  # how often it is rewritten (and once more at a clean stop)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
 
 
 class ReplicasConfig(_Cfg):
     """Controller replicas sharing in-flight load (see controller/replicas.py)."""
 
-    id: str = ""  # this replica's name, unique among its peers ("" = the route endpoint)
+    id: str = ""  # this replica's name, unique among its peers ("" = host:pid)
     pub_url: str = ""  # where this replica publishes its routed/done/prefilled counts ("" = no sharing)
     peers: list[str] = []  # the other replicas' pub_url
 
@@ -172,6 +186,7 @@ class Config(_Cfg):
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     replicas: ReplicasConfig = msgspec.field(default_factory=ReplicasConfig)
+    snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

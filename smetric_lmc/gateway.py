@@ -15,9 +15,19 @@ The decision travels back in response headers (``X-SMetric-Instance``, ``-Reason
 (connect error, 5xx) is reported ``done ok=false`` and the request is retried once on another
 instance; if that fails too the client gets a 502 JSON error naming both attempts. When the
 controller does not answer, the gateway routes round-robin over the configured instances, says
-so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``.
+so in ``X-SMetric-Fallback``, and retries the controller every ``--controller-retry-s``. With several
+controller replicas (``--controller a,b``) a replica that does not answer within the route timeout
+is skipped for the next; the fallback starts only when none answers.
 ``X-SMetric-Index-Ready: false`` marks decisions made while the controller's index was still empty
 (load balance). ``/metrics`` serves the gateway's Prometheus metrics (``gateway_metrics.py``).
+
+Failures: every error the gateway itself answers is JSON in OpenAI's shape
+(``{"error": {"message", "type", "code"}}``), unknown paths and methods and internal errors
+included. A connect error is reported as ``done`` with ``error: "connect"``, which takes the instance
+out of the controller's routing at once. An SSE stream the engine cuts after bytes went out ends
+with an ``event: error`` carrying the same error object (``done ok=false, error: "cut"``); a
+non-streamed answer cut that way is aborted (a JSON body cannot carry an error after it started).
+A client that hangs up after the stream's ``data: [DONE]`` got the whole answer: ``done ok=true``.
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ class Target:
 class Attempt:
     target: Target
     ok: bool = False
+    engine_error: str | None = None  # the done report's ``error``: "connect" | "cut"
     started: float = field(default_factory=time.monotonic)
     first_byte: float | None = None
     error: str | None = None
@@ -140,7 +151,7 @@ class Gateway:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[_json_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -407,16 +418,24 @@ class Gateway:
             raise
         except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
             if resp is not None and resp.prepared and _client_gone(request):
+                if att.sniffer is not None and att.sniffer.complete:
+                    # It hung up after [DONE]: the answer reached it whole.
+                    att.ok = att.status is not None and att.status < 400
+                    return resp
                 self.counters["client_disconnects"] += 1
                 self.metrics.client_disconnects.inc()
                 att.error = "client disconnected"
                 log.info("gateway: client went away request=%s instance=%s", rid, target.instance_id)
                 return resp
             att.error = _describe(exc)
-            return self._broken(request, resp, att)
+            return await self._broken(request, resp, att)
+        except aiohttp.ClientConnectorError as exc:  # nothing listens: the engine is down
+            att.error = _describe(exc)
+            att.engine_error = "connect"
+            return await self._broken(request, resp, att)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             att.error = _describe(exc)
-            return self._broken(request, resp, att)
+            return await self._broken(request, resp, att)
         finally:
             self._finish(att, info)
 
@@ -425,14 +444,30 @@ class Gateway:
         self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=False)
         log.warning("gateway: instance=%s failed before responding: %s", att.target.instance_id, att.error)
 
-    def _broken(self, request: web.Request, resp: web.StreamResponse | None, att: Attempt) -> web.StreamResponse:
+    async def _broken(self, request: web.Request, resp: web.StreamResponse | None,
+                      att: Attempt) -> web.StreamResponse:
         if resp is None or not resp.prepared:
             self._upstream_failed(att)
             raise UpstreamFailed(att.error or "upstream error")
-        # Bytes already reached the client: the request cannot be replayed. Abort the connection so
-        # the client sees a truncated response instead of a silently short one.
+        # Bytes already reached the client: the request cannot be replayed.
+        att.engine_error = "cut"
         self.counters["upstream_failures"] += 1
         self.metrics.observe_upstream_failure(att.target.instance_id, mid_response=True)
+        if att.sniffer is not None and att.sniffer.sse and not _client_gone(request):
+            # An SSE client is told why its stream ends, then the stream ends.
+            log.error("gateway: instance=%s failed mid-stream: %s; sending an SSE error event",
+                      att.target.instance_id, att.error)
+            event = _error_body(f"instance {att.target.instance_id} failed mid-stream: {att.error}",
+                                "upstream_error", 502)
+            try:
+                resp.force_close()
+                await resp.write(b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            except (ConnectionResetError, RuntimeError):
+                pass  # the client left meanwhile: nothing more to tell it
+        # A JSON body cannot carry an error once it started: abort the connection so the client
+        # sees a truncated response instead of a silently short one.
         log.error("gateway: instance=%s failed mid-response: %s; aborting the client connection",
                   att.target.instance_id, att.error)
         if request.transport is not None:
@@ -456,6 +491,7 @@ class Gateway:
             t.route_id, instance_id=t.instance_id, prompt_tokens=prompt,
             output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
             ttft_s=(att.first_byte - att.started) if att.first_byte else None, e2e_s=now - att.started, ok=att.ok,
+            **({"error": att.engine_error} if att.engine_error else {}),
         ))
 
     async def _send_prefilled(self, route_id: str, instance_id: str) -> None:
@@ -532,9 +568,30 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _error_body(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
 def _error(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response(_error_body(message, kind, status), status=status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own answers (404, 405, 413) and any uncaught exception, in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _error(exc.status, exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:")
+                      else exc.text, kind)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("gateway: internal error on %s %s", request.method, request.path)
+        return _error(500, f"internal gateway error: {_describe(exc)}", "server_error")
 
 
 # ---- command line ---------------------------------------------------------------------------------------
@@ -547,7 +604,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     )
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help=f"the controller's YAML: instances, block size, route URL (default: {DEFAULT_CONFIG})")
-    p.add_argument("--controller", default=None, help="route service URL (default: server.route_url of --config)")
+    p.add_argument("--controller", default=None,
+                   help="route service URL, or comma-separated replicas tried in turn "
+                        "(default: server.route_url of --config)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--tokenizer", default=None,

@@ -193,6 +193,7 @@ class UsageSniffer:
         self._overflow = False
         self.usage: dict[str, Any] | None = None
         self.content_chunks = 0  # streamed chunks that carried generated text
+        self.complete = False  # an SSE stream's ``data: [DONE]`` went by: the answer is whole
 
     def feed(self, chunk: bytes) -> None:
         if self._overflow:
@@ -225,7 +226,10 @@ class UsageSniffer:
         if not line.startswith(b"data:"):
             return
         data = line[5:].strip()
-        if not data or data == b"[DONE]":
+        if data == b"[DONE]":
+            self.complete = True
+            return
+        if not data:
             return
         try:
             obj = json.loads(data)

@@ -18,7 +18,7 @@ only ever get added with a default, and an incompatible change bumps ``WIRE_VERS
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -85,6 +85,9 @@ class DoneReport(_Msg, tag="done"):
     ttft_s: float | None = None
     e2e_s: float | None = None
     ok: bool = True
+    # Why the attempt failed, when the engine is to blame: "connect" (no connection: the controller
+    # takes the instance out of routing at once) or "cut" (the engine dropped a started answer).
+    error: Literal["connect", "cut"] | None = None
     version: int = WIRE_VERSION
 
 

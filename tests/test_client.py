@@ -145,3 +145,49 @@ async def test_async_client_timeout_then_recovers() -> None:
         c.timeout_s = 3.0
         assert (await c.health()).ok
     await c.close()
+
+
+def test_sync_client_fails_over_to_the_next_replica_and_stays_there() -> None:
+    dead = _free_tcp_url()  # nothing listens: the first replica never answers
+    core = make_core()
+    with ServiceThread(core) as st, RouteClient([dead, st.endpoint], timeout_s=0.3) as c:
+        assert c.url == dead and c.retries == 1
+        t0 = time.monotonic()
+        d = c.route("f1", token_ids=PROMPT, turn=0)
+        assert d.instance_id in ("i0", "i1") and 0.25 <= time.monotonic() - t0 < 2.0
+        assert c.url == st.endpoint and c.failovers == 1
+        assert c.done("f1").released  # on the replica that routed it, without waiting again
+        assert c.failovers == 1
+    assert core.counters["route"] == 1
+
+
+def test_client_with_no_replica_answering_raises_after_trying_each() -> None:
+    urls = f"{_free_tcp_url()},{_free_tcp_url()}"  # comma-separated: as the CLI takes them
+    with RouteClient(urls, timeout_s=0.15) as c:
+        assert len(c.urls) == 2
+        t0 = time.monotonic()
+        with pytest.raises(RouteTimeout):
+            c.health()
+        assert time.monotonic() - t0 >= 0.28 and c.failovers == 1
+    with pytest.raises(ValueError):
+        RouteClient(" , ")
+
+
+async def test_async_client_fails_over_while_other_calls_are_in_flight() -> None:
+    url = _free_tcp_url()
+    ctx = zmq.Context()
+    black_hole = ctx.socket(zmq.ROUTER)  # connected but never answers: a hung replica
+    black_hole.setsockopt(zmq.LINGER, 0)
+    black_hole.bind(url)
+    core = make_core()
+    try:
+        with ServiceThread(core) as st:
+            async with AsyncRouteClient([url, st.endpoint], timeout_s=0.3) as c:
+                decisions = await asyncio.gather(*(c.route(f"a{k}", token_ids=PROMPT, turn=0) for k in range(20)))
+                assert [d.request_id for d in decisions] == [f"a{k}" for k in range(20)]
+                assert c.url == st.endpoint and c.failovers == 1  # moved once, not once per call
+                assert all(a.released for a in await asyncio.gather(*(c.done(f"a{k}") for k in range(20))))
+    finally:
+        black_hole.close(linger=0)
+        ctx.term()
+    assert core.counters["route"] == 20 and len(core.load) == 0

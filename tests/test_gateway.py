@@ -56,6 +56,7 @@ class FakeEngine:
     fail_status: int | None = None
     release_stream: asyncio.Event = field(default_factory=asyncio.Event)
     hold_stream: bool = False
+    hold_after_done: bool = False  # everything up to [DONE] is sent, the end of the body waits
     die_mid_stream: bool = False
     tokenize_broken: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -116,6 +117,9 @@ class FakeEngine:
         for k in range(0, len(rest), 37):  # odd write sizes split events across chunks
             await resp.write(rest[k : k + 37])
             await asyncio.sleep(0.002)
+        if self.hold_after_done:
+            await self.release_stream.wait()
+            await resp.write(b"\n")
         await resp.write_eof()
         return resp
 
@@ -161,7 +165,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     cleanups: list[Any] = []
 
     async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
-                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None) -> Stack:
+                    extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None,
+                    dead_replica: bool = False) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -194,7 +199,9 @@ async def make_stack() -> AsyncIterator[StackFactory]:
 
             app.core._done = spy  # type: ignore[method-assign]
         gw_cfg = parse_config({**raw, "hashing": gateway_hashing}) if gateway_hashing is not None else cfg
-        gw = Gateway(gw_cfg, route_timeout_s=0.3, controller_retry_s=30.0)
+        # dead_replica: the gateway lists a controller replica nobody answers at, before the real one.
+        urls = f"tcp://127.0.0.1:{free_ports(1)[0]},{cfg.server.route_url}" if dead_replica else None
+        gw = Gateway(gw_cfg, urls, route_timeout_s=0.3, controller_retry_s=30.0)
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]
@@ -293,8 +300,10 @@ async def test_lmcache_chunks_are_hashed_from_the_resolved_root(make_stack: Stac
     assert hs.lmcache_root == lmcache_root("vllm_sha256_cbor", seed="0") and s.gateway.hashing == hs
     hist_ids = tokens_of(render(LONG[:3], False))
     assert len(hist_ids) >= 2 * hs.chunk_size
-    # Only the LMCache tier of e1 holds the history (its GPU blocks were evicted).
-    s.controller.index.lmcache_admit("e1", lmcache_chunk_chain(hist_ids, hs.chunk_size, root=hs.lmcache_root))
+    # Only the LMCache tier of e1 holds the history (its GPU blocks were evicted). With LMCache on,
+    # an instance enters routing at its workers' first message, as the LMCache server reports them.
+    s.controller.sink.lmcache_worker_seen("e0")
+    s.controller.sink.lmcache_admit("e1", lmcache_chunk_chain(hist_ids, hs.chunk_size, root=hs.lmcache_root))
     resp = await s.chat(LONG)
     h = resp.headers
     assert (h["X-SMetric-Instance"], h["X-SMetric-Reason"]) == ("e1", "sticky")
@@ -437,7 +446,7 @@ async def test_models_completions_and_bad_requests(make_stack: StackFactory) -> 
     assert json.loads(await (await s.http.get(f"{s.base}/healthz")).read())["ok"] is True
 
 
-async def test_engine_dying_mid_stream_aborts_the_client_connection(make_stack: StackFactory) -> None:
+async def test_engine_dying_mid_stream_ends_with_an_sse_error_event(make_stack: StackFactory) -> None:
     s: Stack = await make_stack()
     for e in s.engines:
         e.die_mid_stream = True
@@ -445,11 +454,14 @@ async def test_engine_dying_mid_stream_aborts_the_client_connection(make_stack: 
     assert resp.status == 200
     first = await resp.content.readexactly(len(SSE_EVENTS[0]))
     assert first == SSE_EVENTS[0]
-    # Bytes already went out, so no retry: the client must see a broken stream, not a short one.
-    with pytest.raises(aiohttp.ClientPayloadError):
-        await resp.content.read()
+    # Bytes already went out, so no retry: the client is told the stream broke, not left with a
+    # silently short one.
+    rest = await resp.content.read()
+    assert rest.startswith(b"event: error\ndata: ") and rest.endswith(b"\n\n")
+    err = json.loads(rest.split(b"data: ", 1)[1])["error"]
+    assert err["type"] == "upstream_error" and err["code"] == 502 and "mid-stream" in err["message"]
     (done,) = await s.wait_dones(1)
-    assert done.ok is False
+    assert done.ok is False and done.error == "cut"
     assert s.gateway.counters["retries"] == 0 and s.gateway.counters["upstream_failures"] == 1
 
 
@@ -466,4 +478,64 @@ async def test_client_going_away_mid_stream_is_reported_not_ok(make_stack: Stack
     (done,) = await s.wait_dones(1)
     assert done.ok is False
     assert s.gateway.counters["client_disconnects"] == 1
+    assert s.controller is not None and len(s.controller.load) == 0
+
+
+async def test_client_closing_right_after_done_marker_is_reported_ok(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for e in s.engines:
+        e.hold_after_done = True
+    resp = await s.chat(MSGS, stream=True)
+    body = b""
+    while not body.endswith(b"data: [DONE]\n\n"):
+        body += await resp.content.readany()
+    resp.close()  # the client has its whole answer and hangs up before the body's end
+    await asyncio.sleep(0.05)
+    for e in s.engines:
+        e.release_stream.set()
+    (done,) = await s.wait_dones(1)
+    assert done.ok is True and done.error is None and done.output_tokens == 2
+    assert s.gateway.counters["client_disconnects"] == 0
+
+
+async def test_gateway_errors_are_json_in_openai_shape(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+        async with s.http.request(method, f"{s.base}{path}") as resp:
+            assert resp.status == status and resp.content_type == "application/json"
+            err = (await resp.json())["error"]
+            assert err["code"] == status and err["type"] == "invalid_request_error" and err["message"]
+    assert s.gateway._reader is not None
+
+    async def broken(*_a: Any, **_kw: Any) -> Any:
+        raise RuntimeError("tokenizer exploded")
+
+    s.gateway._reader.read = broken  # type: ignore[method-assign]
+    resp = await s.chat(MSGS)
+    assert resp.status == 500 and resp.content_type == "application/json"
+    err = (await resp.json())["error"]
+    assert err["type"] == "server_error" and "tokenizer exploded" in err["message"]
+
+
+async def test_connect_error_takes_the_instance_out_of_the_controllers_routing(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(1, dead_instance=True)
+    assert s.controller is not None
+    assert sorted(s.controller.routable()) == ["dead", "e0"]  # no poller: routable from the start
+    for _ in range(4):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200 and resp.headers["X-SMetric-Instance"] == "e0"
+    failed = [d for d in await s.wait_dones(1) if d.instance_id == "dead"]
+    # The controller balanced the first turn onto "dead" at most once: the report took it out.
+    assert len(failed) == 1 and failed[0].error == "connect" and failed[0].ok is False
+    assert s.controller.routable() == ["e0"]
+
+
+async def test_gateway_fails_over_to_a_controller_replica(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(dead_replica=True)
+    for _ in range(3):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200 and "X-SMetric-Fallback" not in resp.headers
+        assert resp.headers["X-SMetric-Reason"] != "gateway_round_robin"
+    assert s.gateway._client is not None and s.gateway._client.failovers == 1
+    await s.wait_dones(3)
     assert s.controller is not None and len(s.controller.load) == 0

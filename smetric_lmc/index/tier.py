@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from smetric_lmc.hashing import FAST_ROOT, fast_chain
@@ -600,3 +601,50 @@ class TierIndex:
             "lmcache_chunks": len(self._lmc),
             "global_chunks": len(self._global),
         }
+
+    # ---- export (snapshots: smetric_lmc.index.snapshot restores through the public API) ----------
+    def export_instance(self, instance_id: str) -> dict[str, Any]:
+        """What ``instance_id`` holds, as plain arrays: GPU rows parallel in ``hash`` (our chain
+        hash), ``parent`` (the parent's hash; 0 under a chain root), ``eng`` (the engine hash it
+        reported; 0: none) and ``stale``; and its LMCache ``chunks``. Pending prompts and orphans
+        are transient and left out. Empty arrays for an unknown instance."""
+        slot = self._slots.get(instance_id)
+        tree = self._tree
+        if slot is None:
+            rows = np.zeros(0, dtype=np.int64)
+            sbit = 0
+        else:
+            bit, sbit = self._bits(slot)
+            held = np.fromiter((bool(m & (bit | sbit)) for m in tree.mval), dtype=bool, count=len(tree.mval))
+            mid = np.frombuffer(tree.mid, dtype=np.uint32)
+            rows = np.flatnonzero(held[mid])
+            rows = rows[rows > 0]
+        key = np.frombuffer(tree.key, dtype=np.uint64)
+        hashes = key[rows]
+        eng = np.frombuffer(tree.eng, dtype=np.uint64)[rows].copy()
+        exc = self._exc.get(slot) if slot is not None else None
+        if exc:  # this instance's own engine hashes where they differ from the shared ones
+            pos = {int(h): i for i, h in enumerate(hashes)}
+            for e, h in exc.items():
+                i = pos.get(h)
+                if i is not None:
+                    eng[i] = e
+        stale = np.zeros(len(rows), dtype=bool)
+        if sbit:
+            sheld = np.fromiter((bool(m & sbit) for m in tree.mval), dtype=bool, count=len(tree.mval))
+            stale = sheld[np.frombuffer(tree.mid, dtype=np.uint32)[rows]]
+        chunks = np.zeros(0, dtype=np.uint64)
+        if slot is not None:
+            b = 1 << slot
+            chunks = np.fromiter((h for h, m in self._lmc.items() if m & b), dtype=np.uint64)
+        return {
+            "hash": hashes.copy(),
+            "parent": key[np.frombuffer(tree.par, dtype=np.uint32)[rows]].copy(),
+            "eng": eng,
+            "stale": stale,
+            "chunks": chunks,
+        }
+
+    def export_global(self) -> np.ndarray:
+        """The global tier's chunk hashes."""
+        return np.fromiter(self._global, dtype=np.uint64, count=len(self._global))

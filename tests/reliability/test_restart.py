@@ -1,0 +1,110 @@
+"""Controller restart loses nothing: snapshot, reload, replay from the snapshot's sequence numbers.
+
+The engine is ``RecordedEngine`` (tests/test_controller_app.py): real vLLM 0.32 KV-event frames
+from the fixture on a real XPUB, and a ROUTER answering replays from the same recording.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import zmq.asyncio
+from helpers import wait_for
+from services import fixture_path
+
+from smetric_lmc.client import AsyncRouteClient
+from smetric_lmc.config import parse_config
+from smetric_lmc.controller.app import ControllerApp
+from smetric_lmc.controller.vllm_events import apply_batch, decode_payload
+from smetric_lmc.index import TierIndex
+from smetric_lmc.index import snapshot as S
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_controller_app import RecordedEngine, base_config  # noqa: E402
+
+
+def _config(engine: RecordedEngine, path: Path) -> dict:
+    return base_config(
+        instances=[{"id": "a", "http": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{engine.pub_port}",
+                    "replay": f"tcp://127.0.0.1:{engine.replay_port}"}],
+        snapshot={"path": str(path), "interval_s": 3600},
+    )
+
+
+def _truth(frames: list[list[bytes]], upto: int) -> TierIndex:
+    """What an index holds after every batch 0..upto, applied straight from the recording."""
+    idx = TierIndex(32)
+    idx.register_instance("a")
+    for _topic, _seq, payload in frames[: upto + 1]:
+        apply_batch(decode_payload(payload), idx, "a")
+    return idx
+
+
+async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path: Path) -> None:
+    fixture = json.loads(fixture_path("vllm_kv_events.json").read_text())
+    ctx = zmq.asyncio.Context()
+    engine = RecordedEngine(fixture["frames"], ctx)
+    path = tmp_path / "index.snap"
+    last = len(engine.frames) - 1
+    try:
+        first = ControllerApp(parse_config(_config(engine, path)), enable_metrics_http=False)
+        await first.start()
+        await engine.wait_subscribed()
+        for seq in range(6):
+            await engine.publish(seq)
+        await wait_for(lambda: first.subscribers["a"].stats.last_seq == 5, what="batch 5 applied")
+        await first.close()  # a clean stop writes the snapshot
+        assert S.read(path) is not None and S.read(path).instances["a"].seq == 5  # type: ignore[union-attr]
+        assert S.same_content(first.index, _truth(engine.frames, 5), ["a"]) == []
+
+        for seq in range(6, last + 1):  # the engine goes on while no controller listens
+            await engine.publish(seq)
+        second = ControllerApp(parse_config(_config(engine, path)), enable_metrics_http=False)
+        await second.start()
+        try:
+            assert second.snapshot_stats["restored_blocks"] > 0
+            sub = second.subscribers["a"]
+            await wait_for(lambda: sub.caught_up.is_set() and not second.core.catching_up, what="catch-up")
+            assert engine.replay_requests == [6]  # from the batch after the snapshot's, not from 0
+            assert sub.stats.last_seq == last and sub.stats.gaps == 0
+            assert S.same_content(second.index, _truth(engine.frames, last), ["a"]) == []
+            async with AsyncRouteClient(second.service.endpoint or "", timeout_s=3.0) as client:
+                d = await client.route("r1", token_ids=[1] * 64, turn=0)
+                assert d.index_ready is True and d.instance_id == "a"
+        finally:
+            await second.close()
+    finally:
+        await engine.close()
+        ctx.destroy(linger=0)
+
+
+async def test_routes_by_load_until_the_replay_is_in(tmp_path: Path) -> None:
+    fixture = json.loads(fixture_path("vllm_kv_events.json").read_text())
+    ctx = zmq.asyncio.Context()
+    engine = RecordedEngine(fixture["frames"], ctx)
+    path = tmp_path / "index.snap"
+    try:
+        idx = _truth(engine.frames, 3)
+        S.write(path, S.take(idx, {"a": (3, None)}))
+        engine.replay.close(linger=0)  # the replay never answers: catch-up waits for its deadline
+        cfg = _config(engine, path)
+        cfg["limits"] = {"replay_frame_timeout_s": 0.5, "replay_deadline_s": 0.5}
+        app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
+        await app.start()
+        try:
+            async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
+                d = await client.route("r1", token_ids=[1] * 64, turn=0)
+                assert d.index_ready is False and d.policy == "load_balance"
+                await wait_for(lambda: not app.core.catching_up, 3.0, "catch-up deadline")
+                # What replay could not confirm is kept, marked stale.
+                assert app.index.stale_instances() == ["a"] and app.index.gpu_blocks_of("a") > 0
+                d = await client.route("r2", token_ids=[1] * 64, turn=0)
+                assert d.index_ready is True
+        finally:
+            await app.close()
+    finally:
+        engine._task.cancel()
+        engine.pub.close(linger=0)
+        ctx.destroy(linger=0)
