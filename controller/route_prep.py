@@ -177,15 +177,27 @@ class FramePrep:
         self.limits = limits
         self._pool: ProcessPoolExecutor | None = None
         self.restarts = 0
+        self.unavailable: str | None = None  # why no worker can run here (large frames stay on the loop)
 
-    def start(self) -> None:
-        """Spawn the worker now (it takes ~0.5 s), so the first large frame does not wait for it."""
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
-            self._pool.submit(_ready)
+    def start(self) -> bool:
+        """Spawn the worker now (it takes ~0.5 s), so the first large frame does not wait for it.
+
+        False when this process may not have children (a daemonic multiprocessing process): the
+        caller then answers large frames on the loop, and says so once in the log."""
+        if self._pool is None and self.unavailable is None:
+            try:
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+                self._pool.submit(_ready)
+            except (AssertionError, OSError) as exc:  # multiprocessing asserts a daemon has no children
+                self._pool = None
+                self.unavailable = f"{type(exc).__name__}: {exc}"
+                log.error("route service: no frame worker (%s); large frames are prepared on the event loop",
+                          self.unavailable)
+        return self._pool is not None
 
     def submit(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[Any, ...]]:
-        self.start()
+        if not self.start():
+            raise RuntimeError(f"no frame worker: {self.unavailable}")
         assert self._pool is not None
         try:
             fut: Future[tuple[Any, ...]] = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)

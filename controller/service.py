@@ -411,7 +411,7 @@ class RouteService:
         self._task: asyncio.Task[None] | None = None
         self.endpoint: str | None = None
         self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0,
-                                         "offloaded": 0}
+                                         "offloaded": 0, "large_on_loop": 0}
         self._prep = FramePrep(core.hashing, core.limits)
         self._offloaded: set[asyncio.Future[None]] = set()
 
@@ -521,11 +521,13 @@ class RouteService:
         prefix, payload, reply = self._check_framing(frames)
         if reply is None and payload is not None:
             if len(payload) > self.OFFLOAD_BYTES:
-                self.counters["offloaded"] += 1
-                task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
-                self._offloaded.add(task)
-                task.add_done_callback(self._offloaded.discard)
-                return 0
+                if self._prep.unavailable is None:
+                    self.counters["offloaded"] += 1
+                    task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
+                    self._offloaded.add(task)
+                    task.add_done_callback(self._offloaded.discard)
+                    return 0
+                self.counters["large_on_loop"] += 1  # no worker here (logged once by FramePrep)
             reply = [*prefix, self.core.handle(payload)]
         if reply is not None:
             self._send(sync, reply)

@@ -179,3 +179,36 @@ def test_oversize_frame_still_refused_before_any_worker() -> None:
     err = decode_reply(reply[-1])
     assert isinstance(err, ErrorReply) and err.code == "too_large"
     assert HashSettings(block_size=BS, fast_root=ROOT) == core.hashing
+
+
+def _serve_in_daemon(conn: object) -> None:
+    async def go() -> tuple[int, int, bool]:
+        core = make_core()
+        svc = RouteService(core, "tcp://127.0.0.1:*")
+        svc.bind()
+        task = asyncio.create_task(svc.run())
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(svc.endpoint or "")
+        await sock.send_multipart([b"", big_route("d", 300_000)])
+        reply = decode_reply((await asyncio.wait_for(sock.recv_multipart(), 30))[-1])
+        await svc.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.destroy(linger=0)
+        return svc.counters["offloaded"], svc.counters["large_on_loop"], isinstance(reply, RouteDecision)
+
+    conn.send(asyncio.run(go()))  # type: ignore[attr-defined]
+
+
+def test_a_daemonic_process_answers_large_frames_on_the_loop_and_counts_them() -> None:
+    # multiprocessing forbids children in a daemonic process: the worker cannot start there.
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_serve_in_daemon, args=(child,), daemon=True)
+    p.start()
+    assert parent.poll(60)
+    assert parent.recv() == (0, 1, True)
+    p.join(10)
