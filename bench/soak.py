@@ -61,8 +61,6 @@ END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}
 
 
-
-
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:

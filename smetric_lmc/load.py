@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import repeat
 
+import msgspec
 
-@dataclass(slots=True)
-class _InFlight:
+
+class _InFlight(msgspec.Struct, gc=False):
+    # gc=False: holds only str/int/float/bool, so the cyclic GC need not track it. Hundreds of
+    # thousands of in-flight entries otherwise make every full collection (a loop stall) longer.
     instance: str
     unprefilled: int
     since: float

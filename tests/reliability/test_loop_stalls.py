@@ -212,3 +212,33 @@ def test_a_daemonic_process_answers_large_frames_on_the_loop_and_counts_them() -
     assert parent.poll(60)
     assert parent.recv() == (0, 1, True)
     p.join(10)
+
+
+def test_in_flight_entries_are_not_tracked_by_the_cyclic_gc() -> None:
+    # Each tracked entry lengthens every full collection, which stops the event loop.
+    import gc
+
+    from smetric_lmc.load import LoadTracker
+
+    load = LoadTracker(expire_s=30.0)
+    load.on_route("x", "a", 100)
+    assert not gc.is_tracked(load._requests["x"])
+
+
+async def test_the_controller_freezes_its_start_up_objects_out_of_the_gc() -> None:
+    import gc
+
+    from smetric_lmc.config import parse_config
+    from smetric_lmc.controller.app import ControllerApp
+
+    cfg = {"model": "m", "instances": [{"id": "a", "http": "http://127.0.0.1:9"}],
+           "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
+           "load": {"metrics_poll_s": 0, "instance_timeout_s": 0}}
+    gc.unfreeze()
+    app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
+    await app.start()
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        await app.close()
+    assert gc.get_freeze_count() == 0
