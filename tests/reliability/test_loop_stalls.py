@@ -20,6 +20,7 @@ from smetric_lmc.hashing import HashSettings
 from smetric_lmc.wire import ErrorReply, RouteDecision, RouteRequest, decode_reply
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_controller_service import BS, PROMPT, ROOT, make_core, seed  # noqa: E402
 
 _enc = msgspec.msgpack.encode
@@ -242,3 +243,42 @@ async def test_the_controller_freezes_its_start_up_objects_out_of_the_gc() -> No
     finally:
         await app.close()
     assert gc.get_freeze_count() == 0
+
+
+async def test_lmcache_pull_yields_after_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the byte budget can make the PULL loop yield here; before it, 40 queued ~100 KB
+    # messages were all applied before any other task on the loop ran.
+    from test_bounds import _Sink  # type: ignore[import-not-found]
+
+    from smetric_lmc.controller import lmcache_server as L
+    from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
+
+    monkeypatch.setattr(L, "YIELD_EVERY", 10**9)
+    monkeypatch.setattr(L, "YIELD_S", 3600.0)
+    monkeypatch.setattr(L, "YIELD_BYTES", 300_000)
+    server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
+                                 full_sync_on_start=False)  # type: ignore[arg-type]
+    await server.start()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(server.endpoints["pull"])
+    frame = b"\x00" * 100_000  # undecodable: counted and dropped, cheaply
+    seen: set[int] = set()
+
+    async def probe() -> None:
+        while True:
+            seen.add(server.stats["pull_frames"])
+            await asyncio.sleep(0)
+
+    try:
+        for _ in range(40):
+            push.send(frame)
+        time.sleep(0.5)  # queued before the PULL loop next runs (blocks the loop on purpose)
+        p = asyncio.create_task(probe())
+        while server.stats["pull_frames"] < 40:
+            await asyncio.sleep(0.01)
+        p.cancel()
+        assert any(0 < n < 40 for n in seen), seen
+    finally:
+        await server.close()
+        ctx.destroy(linger=0)
