@@ -17,9 +17,10 @@ Phases, in order:
    ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``).
    RSS growth and the worst loop stall cover phases 1-2; RSS is read after ``--settle-s`` idle
    (the controller returns freed memory to the OS every 5 s, see controller/memory.py).
-3. faults (bench/soak_faults.py; stand-in engines, not vLLM): kill -9 of an engine under load
-   (out / back times), kill -9 of the controller under load and a restart from its snapshot
-   (first route time, index equal to the engine's truth), CURVE refusing an unknown client.
+3. faults: ``bench/faults.py`` (stand-in engines, not vLLM; see its docstring): kill -9 of an
+   engine under load (out / back times), kill -9 of the controller and a restart from its
+   snapshot (first route time, index equal to the engine's truth); then a route socket with a
+   CURVE allow-list and a client with a self-made keypair (must be refused).
 4. replicas (bench/replicas.py): routes/s with 1, 2, 4 sharing replicas.
 
 Prints a report, then ONE JSON line with the reliability issue's keys. ``malformed_frames``
@@ -43,10 +44,10 @@ import random
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import replicas as replicas_bench  # noqa: E402  (bench/ is the script's directory)
-import soak_faults
 import soak_load
 import zmq
 import zmq.asyncio
@@ -210,23 +211,62 @@ async def load_soak(app: ControllerApp, args: argparse.Namespace) -> dict[str, A
 
 
 def faults(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    """bench/faults.py (dead engine out/back, controller kill -9 and restart) and the CURVE check."""
+    out: dict[str, Any] = {"faults": None, "faults_skipped": "--no-faults" if args.no_faults else None}
+    if not args.no_faults:
+        import faults as faults_bench  # bench/faults.py
+
+        try:
+            out["faults"] = asyncio.run(faults_bench.measure(poll_s=args.poll_s))
+        except Exception as exc:  # reported as null with the reason, never as a number
+            out["faults_skipped"] = f"{type(exc).__name__}: {exc}"
     try:
-        out["dead_engine"] = asyncio.run(soak_faults.dead_engine(args.poll_s, args.probe_s))
-    except Exception as exc:  # reported as null with the reason, never as a number
-        out["dead_engine"] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        out["restart"] = asyncio.run(soak_faults.restart())
-    except BaseException as exc:  # pytest.skip (no fixture: set SMETRIC_SHARED) is a BaseException
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        out["restart"] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        out["curve_unknown_client_refused"] = soak_faults.curve_refuses_unknown_client()
+        out["curve_unknown_client_refused"] = curve_refuses_unknown_client()
     except Exception as exc:
         out["curve_unknown_client_refused"] = None
         out["curve_error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def curve_refuses_unknown_client() -> bool:
+    from smetric_lmc.client import RouteClient, RouteRefused
+    from smetric_lmc.controller.service import RouteCore, RouteService
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_controller_service import make_core  # type: ignore[import-not-found]
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())
+    core: RouteCore = make_core()
+
+    async def go() -> bool:
+        svc = RouteService(core, "tcp://127.0.0.1:*", curve_secret_key=secret, curve_public_key=public,
+                           curve_client_keys=[known_pub], ctx=zmq.asyncio.Context())
+        endpoint = svc.bind()
+        task = asyncio.create_task(svc.run())
+        loop = asyncio.get_running_loop()
+
+        def clients() -> bool:
+            # Both clients stay open together: HandshakeWatch names its inproc monitor by id(),
+            # which a second client created after the first is freed may reuse (address in use).
+            with RouteClient(endpoint, curve_server_key=public, curve_public_key=known_pub,
+                             curve_secret_key=known_sec, timeout_s=3.0) as c:
+                known_ok = c.health().ok
+                try:
+                    with RouteClient(endpoint, curve_server_key=public, timeout_s=2.0) as stranger:
+                        stranger.health()
+                    return False
+                except RouteRefused:
+                    return known_ok
+
+        try:
+            return await loop.run_in_executor(None, clients)
+        finally:
+            await svc.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return asyncio.run(go()) and core.counters["health"] == 1
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -344,8 +384,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0, help="routes/s of the soak (0: half the measured ceiling)")
     p.add_argument("--calibrate-s", type=float, default=5.0)
     p.add_argument("--settle-s", type=float, default=6.0, help="idle time before the final RSS reading")
-    p.add_argument("--poll-s", type=float, default=0.5, help="load.metrics_poll_s of the dead-engine phase")
-    p.add_argument("--probe-s", type=float, default=0.1, help="load.breaker_probe_s of the dead-engine phase")
+    p.add_argument("--no-faults", action="store_true", help="skip the dead-engine and restart figures (bench/faults.py)")
+    p.add_argument("--poll-s", type=float, default=1.0, help="bench/faults.py: the controller's engine /metrics poll")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
     args = p.parse_args()
@@ -357,13 +397,10 @@ def main() -> None:
     report["replicas"] = rows
     for k, v in report.items():
         print(f"{k}: {v}")
-    dead, rst = f["dead_engine"], f["restart"]
+    fault_keys = ("dead_engine_out_s", "engine_back_s", "restart_index_equal", "restart_first_route_s")
     print(json.dumps({
         **out["json"],
-        "dead_engine_out_s": dead.get("out_s"),
-        "engine_back_s": dead.get("back_s"),
-        "restart_index_equal": rst.get("index_equal"),
-        "restart_first_route_s": rst.get("first_route_s"),
+        **{k: (f["faults"] or {}).get(k) for k in fault_keys},
         "replicas_routes_per_s": [r["routes_per_s"] for r in rows],
         "curve_unknown_client_refused": f["curve_unknown_client_refused"],
     }))

@@ -27,9 +27,10 @@ unreachable is re-admitted after ``load.breaker_probe_s`` (doubling per repeated
 
 Restart: with ``snapshot.path`` set the index is written there every ``snapshot.interval_s`` (and
 at a clean stop) with each instance's last applied KV-event batch (``smetric_lmc.index.snapshot``).
-At start it is reloaded, each subscriber replays its engine's events from the batch after the
-snapshot's, and until every replay has finished the controller routes by load (``index_ready``
-false). A snapshot that does not load (corrupt, other hashing) is logged and ignored.
+At start it is reloaded in slices (the route socket answers meanwhile), then each subscriber starts
+and replays its engine's events from the batch after the snapshot's; until every replay has
+finished the controller routes by load (``index_ready`` false). A snapshot that does not load
+(corrupt, other hashing) is logged and ignored.
 
 Event gaps: the vLLM event subscriber replays a sequence gap; a gap replay cannot fill, or a batch
 the index failed on, marks the instance's entries stale in the same way, never clears them.
@@ -192,9 +193,8 @@ class ControllerApp:
         self._stop = asyncio.Event()
         self._started = 0.0
         self._config_stamp: tuple[int, int] | None = None
-        self._resume_at: dict[str, tuple[int | None, float | None]] = {}
         self.snapshot_stats: dict[str, Any] = {"written": 0, "failed": 0, "bytes": 0, "restored_blocks": 0,
-                                               "last_write_s": None, "catch_up_s": None}
+                                               "restore_s": None, "last_write_s": None, "catch_up_s": None}
         self.reloads = {"applied": 0, "rejected": 0, "unchanged": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -202,7 +202,9 @@ class ControllerApp:
         self._started = time.monotonic()
         for iid in self._ids:
             self._register(iid, routable=not self._liveness_enforced)
-        self._restore_snapshot()
+        snap = self._read_snapshot()
+        if snap is not None:
+            self.core.catching_up = True  # route by load until restored and replayed
         self.service.bind()
         self._spawn("route-service", self.service.run)
         tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
@@ -210,8 +212,10 @@ class ControllerApp:
         if self.share is not None:
             self.share.bind()
             self._spawn("load-share", self.share.run)
-        self._start_subscribers()
-        self._resume_subscribers()
+        # With a snapshot, subscribers start once it is restored (their sockets queue meanwhile).
+        self._start_subscribers(run=snap is None)
+        if snap is not None:
+            self._spawn("snapshot-restore", lambda: self._restore_then_resume(snap))
         await self._start_lmcache()
         self._start_global_tier()
         self._start_poller()
@@ -313,7 +317,7 @@ class ControllerApp:
                 backoff = min(backoff * 2, 10.0)
 
     # ---- parts ------------------------------------------------------------------------------------
-    def _start_subscribers(self) -> None:
+    def _start_subscribers(self, *, run: bool = True) -> None:
         try:
             from .vllm_events import VllmEventSubscriber
         except ImportError as exc:
@@ -343,7 +347,8 @@ class ControllerApp:
                 log.error("vLLM events: cannot open instance=%s endpoint=%s error=%s", inst.id, inst.kv_events, exc)
                 continue
             self.subscribers[inst.id] = sub
-            self._spawn(f"kv-events-{inst.id}", sub.run)
+            if run:
+                self._spawn(f"kv-events-{inst.id}", sub.run)
             log.info("vLLM events instance=%s endpoint=%s bind=%s", inst.id, sub.endpoint, sub.binds)
 
     async def _start_lmcache(self) -> None:
@@ -502,43 +507,50 @@ class ControllerApp:
             self.check_liveness()
 
     # ---- snapshots ------------------------------------------------------------------------------
-    def _restore_snapshot(self) -> None:
+    def _read_snapshot(self) -> index_snapshot.IndexSnapshot | None:
         path = self.cfg.snapshot.path
         if not path:
-            return
-        t0 = time.monotonic()
+            return None
         try:
             snap = index_snapshot.read(path)
-            if snap is None:
-                log.info("index snapshot: none at %s; starting empty", path)
-                return
-            restored = index_snapshot.restore(self.index, snap, self._known)
+            if snap is not None:
+                index_snapshot.check_compatible(self.index, snap)
         except (index_snapshot.SnapshotError, OSError) as exc:
             log.error("index snapshot: %s not loaded (%s); starting empty", path, exc)
-            return
-        self.snapshot_stats["restored_blocks"] = sum(restored.values())
-        self._resume_at = {iid: (i.seq, i.ts) for iid, i in snap.instances.items() if iid in self._known}
-        log.info("index snapshot: restored %d blocks of %d instances from %s (age %.1fs) in %.2fs",
-                 sum(restored.values()), len(restored), path, time.time() - snap.created, time.monotonic() - t0)
+            return None
+        if snap is None:
+            log.info("index snapshot: none at %s; starting empty", path)
+        return snap
 
-    def _resume_subscribers(self) -> None:
-        waiting = []
-        for iid, (seq, ts) in self._resume_at.items():
-            sub = self.subscribers.get(iid)
-            if sub is not None and seq is not None:
-                sub.resume(seq, ts)
-                waiting.append(sub)
-        if waiting:
-            self.core.catching_up = True  # route by load until the replays are in
-            self._spawn("snapshot-catch-up", lambda: self._await_catch_up(waiting))
-
-    async def _await_catch_up(self, subs: list[Any]) -> None:
+    async def _restore_then_resume(self, snap: index_snapshot.IndexSnapshot) -> None:
+        """Restore in slices (routes are answered, by load, meanwhile), then start every
+        subscriber, resumed from the snapshot's batch, and route by policy once they caught up."""
         t0 = time.monotonic()
-        await asyncio.gather(*(s.caught_up.wait() for s in subs))
+        restored: dict[str, int] = {}
+        try:
+            for _ in index_snapshot.restore_slices(self.index, snap, self._known, restored):
+                await asyncio.sleep(0)
+        except Exception:
+            log.exception("index snapshot: restore failed after %d blocks; what was restored is marked stale",
+                          sum(restored.values()))
+            for iid in restored:
+                self.index.mark_stale(iid)
+        self.snapshot_stats["restored_blocks"] = sum(restored.values())
+        self.snapshot_stats["restore_s"] = round(time.monotonic() - t0, 3)
+        log.info("index snapshot: restored %d blocks of %d instances (age %.1fs) in %.2fs",
+                 sum(restored.values()), len(restored), time.time() - snap.created, time.monotonic() - t0)
+        waiting = []
+        for iid, sub in self.subscribers.items():
+            inst = snap.instances.get(iid)
+            if inst is not None and inst.seq is not None:
+                sub.resume(inst.seq, inst.ts)
+                waiting.append(sub)
+            self._spawn(f"kv-events-{iid}", sub.run)
+        await asyncio.gather(*(s.caught_up.wait() for s in waiting))
         self.core.catching_up = False
         self.snapshot_stats["catch_up_s"] = round(time.monotonic() - t0, 3)
-        log.info("index snapshot: %d engines replayed since the snapshot in %.2fs: routing by policy",
-                 len(subs), time.monotonic() - t0)
+        log.info("index snapshot: restored and %d engines replayed in %.2fs: routing by policy",
+                 len(waiting), time.monotonic() - t0)
 
     async def write_snapshot(self) -> bool:
         """Snapshot the index now; True when written. The export runs on the loop (index and event

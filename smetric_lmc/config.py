@@ -34,6 +34,9 @@ class PolicyConfig(_Cfg):
     hit_ratio: float = 0.5  # SMetric HIT_RATIO
     bailian_lambda: float = 0.9  # weight of the miss term in the bailian linear score
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
+    # smetric_cost (our variant; hit_ratio above labels its moves): share of a computed token's cost
+    # that fetching it from the global tier saves
+    cost_fetch_discount: float = 0.9
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -45,6 +48,8 @@ class PolicyConfig(_Cfg):
             raise ValueError("hit_ratio must be within [0, 1]")
         if not 0 <= self.bailian_lambda <= 1:
             raise ValueError("bailian_lambda must be within [0, 1]")
+        if not 0 <= self.cost_fetch_discount <= 1:
+            raise ValueError("cost_fetch_discount must be within [0, 1]")
 
 
 class InstanceConfig(_Cfg):

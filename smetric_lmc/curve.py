@@ -10,6 +10,7 @@ socket monitor so the client can say "refused" instead of timing out without a r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterable
 
@@ -118,6 +119,9 @@ def handshake_failure(monitor: zmq.Socket) -> str | None:
     return reason
 
 
+_watch_ids = itertools.count()
+
+
 class HandshakeWatch:
     """Watches a client socket's security handshakes so a timeout can name a refusal.
 
@@ -126,7 +130,9 @@ class HandshakeWatch:
     """
 
     def __init__(self, sock: zmq.Socket) -> None:
-        addr = f"inproc://smetric-handshake-{id(self)}"
+        # A fresh name each time: a closed monitor's inproc name may still be bound for a moment,
+        # and id(self) comes back as soon as the previous watch is freed.
+        addr = f"inproc://smetric-handshake-{next(_watch_ids)}"
         sock.monitor(addr, MONITOR_EVENTS)
         self._sock = sock
         self._monitor = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from smetric_lmc.cli import build_parser
-from smetric_lmc.workers import launch, up
+from smetric_lmc.workers import launch, supervise, up
 
 
 def _stack(tmp_path: Path) -> up.LocalStack:
@@ -39,3 +44,79 @@ def test_fixed_default_ports_and_a_taken_one_fails_before_engines_start() -> Non
         with pytest.raises(RuntimeError, match=f"metrics port {taken}"):
             up.check_ports("127.0.0.1", {"gateway": 0, "metrics": taken, "route": 0})
     up.check_ports("127.0.0.1", {"gateway": 0, "metrics": taken, "route": 0})  # free again
+
+
+def _sleeper(tmp_path: Path, name: str, seconds: float) -> launch.ProcessGroup:
+    return launch.ProcessGroup([sys.executable, "-c", f"import time; time.sleep({seconds})"], dict(os.environ),
+                               tmp_path / f"{name}.log", name)
+
+
+def test_supervisor_restarts_an_exited_part_with_backoff_and_leaves_the_rest(tmp_path: Path) -> None:
+    dies, stays = _sleeper(tmp_path, "engine", 0.1), _sleeper(tmp_path, "gateway", 60)
+    dies.start()
+    stays.start()
+    swapped: list[launch.ProcessGroup] = []
+    sup = supervise.Supervisor([supervise.Part(dies, swapped.append), supervise.Part(stays)], backoff_s=0.2,
+                               max_backoff_s=0.4)
+    try:
+        times = []
+        t0 = time.monotonic()
+        while len(times) < 3 and time.monotonic() - t0 < 10:
+            if sup.check():
+                times.append(time.monotonic())
+            time.sleep(0.02)
+        assert len(times) == 3 and sup.parts[0].restarts == 3
+        assert swapped and swapped[-1] is sup.parts[0].proc and swapped[0] is not dies
+        # Backoff doubles, capped: ~0.1 s run + 0.2, then + 0.4, then + 0.4 again.
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert all(g >= 0.45 for g in gaps), gaps
+        assert sup.parts[1].proc is stays and stays.poll() is None and sup.parts[1].restarts == 0
+    finally:
+        for p in sup.parts:
+            p.proc.stop(timeout_s=2)
+
+
+_RUN_UP = """
+import signal, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell leaves a background job
+from smetric_lmc.workers import launch, up
+tmp = Path(sys.argv[1])
+child = launch.ProcessGroup(["sh", "-c", "sleep 60 & sleep 60"], {}, tmp / "child.log", "child")
+def bring_up(args, workdir):
+    child.start()
+    print(child.pid, flush=True)
+    return up.LocalStack([], tmp / "smetric.yaml", "http://x", "http://y/metrics", [child])
+up.bring_up = bring_up
+up.banner = lambda stack: "banner"
+sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp))))
+"""
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (a container's init may reap late)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_stop_everything_even_in_the_background(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pgid = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "banner"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=15) == 0
+        assert _live_members(pgid) == []  # the child's whole group is gone, grandchildren too
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -5,8 +5,11 @@
 Builds (once) the engine venv and the tiny test model, starts the engines with KV events and
 prefix caching on, writes a controller config for them, starts ``smetric controller`` and
 ``smetric gateway`` as child processes, prints a banner (every URL, the config, each part's
-log), and stops everything on Ctrl-C, SIGTERM, or when any part exits. The ports are fixed
-(the defaults below, 0 picks a free one) and checked before the minutes-long engine start-up.
+log), and supervises them: a part that exits is restarted with backoff while the rest keep serving
+(``supervise.py``; the controller routes around a restarting engine). SIGINT (also when started in
+the background, where a shell leaves SIGINT ignored) and SIGTERM stop everything, each part's
+whole process group included. The ports are fixed (the defaults below, 0 picks a free one) and
+checked before the minutes-long engine start-up.
 The pieces (config, process start-up) are reused by the end-to-end tests.
 """
 
@@ -34,6 +37,7 @@ import yaml
 
 from smetric_lmc.config import POLICY_NAMES, ServerConfig
 from smetric_lmc.workers import launch
+from smetric_lmc.workers.supervise import Part, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ def controller_config(
     metrics_poll_s: float = 1.0,
     load_overrides: dict[str, Any] | None = None,
     model: str | None = None,
+    snapshot_path: Path | None = None,
 ) -> dict[str, Any]:
     """A controller config (as YAML-ready data) for running engines: events, metrics, endpoints."""
     if not engines:
@@ -65,6 +70,7 @@ def controller_config(
         ],
         "server": {"route_url": route_url, "metrics_port": metrics_port},
         "load": {"metrics_poll_s": metrics_poll_s, **(load_overrides or {})},
+        **({"snapshot": {"path": str(snapshot_path)}} if snapshot_path is not None else {}),
     }
 
 
@@ -136,11 +142,6 @@ class LocalStack:
     route_url: str = ""
     policy: str = ""
 
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.processes) and all(
-            e.process.poll() is None for e in self.engines
-        )
-
     def stop(self) -> None:
         # Front to back: no new requests reach engines that are going away.
         for proc in reversed(self.processes):
@@ -184,7 +185,9 @@ def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
     try:
         route_port, metrics_port = _pick(args.route_port), _pick(args.metrics_port)
         stack.route_url = f"tcp://127.0.0.1:{route_port}"
-        cfg = controller_config(engines, route_url=stack.route_url, metrics_port=metrics_port, policy=args.policy)
+        # A snapshot beside the config: a restarted controller reloads its index and replays.
+        cfg = controller_config(engines, route_url=stack.route_url, metrics_port=metrics_port, policy=args.policy,
+                                snapshot_path=workdir / "index.snap")
         write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(start_controller(stack.config_path, metrics_port, workdir))
@@ -220,7 +223,7 @@ def banner(stack: LocalStack) -> str:
     lines += [
         "  Until the engines' first KV events reach the controller, requests are balanced by load and",
         "  answered with X-SMetric-Index-Ready: false; X-SMetric-Reason says why each request went where.",
-        "Ctrl-C stops everything.",
+        "A part that exits is restarted; Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
 
@@ -233,18 +236,34 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
+def supervisor(stack: LocalStack, **kw: Any) -> Supervisor:
+    """Every engine and service of ``stack`` as a restartable part; restarts update the stack."""
+    parts = []
+    for i, e in enumerate(stack.engines):
+        def swap_engine(new: launch.ProcessGroup, i: int = i) -> None:
+            stack.engines[i].process = new  # type: ignore[assignment]
+        parts.append(Part(e.process, swap_engine))
+    for i, proc in enumerate(stack.processes):
+        def swap(new: launch.ProcessGroup, i: int = i) -> None:
+            stack.processes[i] = new
+        parts.append(Part(proc, swap))
+    return Supervisor(parts, **kw)
+
+
 def run_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="smetric-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # Both explicitly: a shell starts background jobs with SIGINT ignored, and Python then never
+    # turns SIGINT into KeyboardInterrupt.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack: LocalStack | None = None
     try:
         stack = bring_up(args, workdir)
         print(banner(stack), flush=True)
-        while stack.alive():
-            time.sleep(1.0)
-        log.error("a part of the stack exited; stopping the rest (logs in %s)", workdir)
-        return 1
+        sup = supervisor(stack)
+        while True:
+            sup.check()
+            time.sleep(0.5)
     except (KeyboardInterrupt, _Stop):
         log.info("stopping the stack")
         return 0
@@ -255,7 +274,8 @@ def run_up(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt, _Stop):
             if stack is not None:
                 stack.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

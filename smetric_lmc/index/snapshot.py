@@ -137,8 +137,22 @@ def check_compatible(index: TierIndex, snap: IndexSnapshot) -> None:
 def restore(index: TierIndex, snap: IndexSnapshot, instances: set[str] | frozenset[str] | None = None) -> dict[str, int]:
     """Load ``snap`` into ``index`` (instances limited to ``instances`` when given; others are
     skipped). Returns blocks restored per instance."""
-    check_compatible(index, snap)
     restored: dict[str, int] = {}
+    for _ in restore_slices(index, snap, instances, restored):
+        pass
+    return restored
+
+
+def restore_slices(
+    index: TierIndex,
+    snap: IndexSnapshot,
+    instances: set[str] | frozenset[str] | None,
+    restored: dict[str, int],
+    slice_blocks: int = 20_000,
+) -> Iterator[None]:
+    """``restore`` a slice at a time: yields after about ``slice_blocks`` blocks, so a caller on
+    an event loop can let other work run; ``restored`` fills with blocks per instance."""
+    check_compatible(index, snap)
     for iid, inst in snap.instances.items():
         if instances is not None and iid not in instances:
             continue
@@ -147,23 +161,27 @@ def restore(index: TierIndex, snap: IndexSnapshot, instances: set[str] | frozens
         p = np.frombuffer(inst.parent, _U64).tolist()
         e = np.frombuffer(inst.eng, _U64).tolist()
         stale = np.frombuffer(inst.stale, np.uint8).astype(bool)
-        n = _store_runs(index, iid, h, p, e, range(len(h)))
+        restored[iid] = 0
+        for n in _store_runs(index, iid, h, p, e, range(len(h)), slice_blocks):
+            restored[iid] += n
+            yield
         if stale.any():
             # Stale rows hang below fresh ones (a store refreshes ancestors): mark everything
             # stale, then store the fresh rows again, which turns them (and only them) fresh.
             index.mark_stale(iid)
-            _store_runs(index, iid, h, p, e, np.flatnonzero(~stale).tolist())
+            for _n in _store_runs(index, iid, h, p, e, np.flatnonzero(~stale).tolist(), slice_blocks):
+                yield
         chunks = np.frombuffer(inst.chunks, _U64).tolist()
         if chunks:
             index.lmcache_admit(iid, chunks)
-        restored[iid] = n
     g = np.frombuffer(snap.global_chunks, _U64).tolist()
     if g:
         index.global_stored(g)
-    return restored
 
 
-def _store_runs(index: TierIndex, iid: str, h: list[int], p: list[int], e: list[int], rows: Any) -> int:
+def _store_runs(index: TierIndex, iid: str, h: list[int], p: list[int], e: list[int], rows: Any,
+                slice_blocks: int) -> Iterator[int]:
+    """Store ``rows`` as runs; yields the blocks stored about every ``slice_blocks``."""
     n = 0
     for run in _runs(h, p, rows):
         parent = p[run[0]] or None
@@ -173,7 +191,10 @@ def _store_runs(index: TierIndex, iid: str, h: list[int], p: list[int], e: list[
         for lo, hi, has_eng in _segments(engs):
             n += index.gpu_stored_hashes(iid, hashes[lo:hi], parent if lo == 0 else hashes[lo - 1],
                                          engine_hashes=engs[lo:hi] if has_eng else None)
-    return n
+        if n >= slice_blocks:
+            yield n
+            n = 0
+    yield n
 
 
 def _runs(h: list[int], p: list[int], rows: Any) -> Iterator[list[int]]:

@@ -44,8 +44,13 @@ def _floats(text: str | None) -> list[float] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report"), default="run",
-                   help="run (default) or report: write the WEKA results document")  # fmt: skip
+    p.add_argument("action", nargs="?", choices=("run", "report", "map"), default="run",
+                   help="run (default); report: regenerate docs/results.md; map: the regime map")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
+    p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
+    p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
+    p.add_argument("--xs", help="map: comma list of mean context / KV capacity columns")
+    p.add_argument("--tiers", help="map: comma list of global tiers (none, 0.4, 1.6, full, ...)")
     p.add_argument("--trace", help="trace file/folder/archive (WEKA, Bailian, Mooncake, native); default: synthetic")
     p.add_argument("--shared-prefix", action="store_true",
                    help="WEKA: map each session's system prompt + tools to ids shared across sessions")  # fmt: skip
@@ -79,9 +84,10 @@ def load_workload(args: argparse.Namespace) -> Workload:
         from smetric_lmc.workload import load_any
 
         return load_any(args.trace, shared_prefix=args.shared_prefix)
-    from smetric_lmc.workload import synthetic
+    from smetric_lmc.workload.presets import preset_workload
 
-    return synthetic(args.sessions or DEFAULT_SYNTH_SESSIONS, seed=args.seed or 0)
+    return preset_workload(args.preset or "weka", args.sessions or DEFAULT_SYNTH_SESSIONS, seed=args.seed or 0,
+                           scale=args.scale or 1.0)  # fmt: skip
 
 
 def base_config(args: argparse.Namespace) -> SimConfig:
@@ -108,6 +114,10 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.results_doc import main_report
 
         return main_report(args)
+    if args.action == "map":
+        from smetric_lmc.sim.map_cli import main_map
+
+        return main_map(args)
     wl = load_workload(args)
     cfg = base_config(args)
     prof = load_profile(args.profile or cfg.profile)

@@ -442,11 +442,16 @@ class Simulator:
     def _next(self, sess: _Session, k: int, t: float) -> None:
         if self.cfg.arrival != "closed":
             return
+        stop = not self.cfg.drain and self.cfg.measure == "arrivals"  # nothing after the window counts
+        if stop and t > self.last_root_start:
+            return
         for child in self._children.get((sess.trace.session_id, k), ()):
             self._start_session(child, t, sess.salt)
         reqs = sess.trace.requests
         if k + 1 < len(reqs):
             think = min(max(0.0, reqs[k + 1].think_time), self.cfg.max_think_s)
+            if stop and t + think > self.last_root_start:
+                return
             self._push(t + think, _ARRIVE, sess, k + 1)
 
 

@@ -41,6 +41,9 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # sustained there) or over the whole run (first arrival to last completion: ramp-up and drain
     # included, and a long tail session alone sets the end).
     measure: Literal["arrivals", "run"] = "arrivals"
+    # False (with measure: arrivals): no request is issued after the last session start; the
+    # window's metrics are unchanged (nothing later can touch them) and long sessions need no drain.
+    drain: bool = True
     window_s: float = 60.0  # load-heatmap / imbalance window
     decode_run_max: int = 512  # longest batch of decode iterations advanced in one step
     # Recorded think times above this are clipped: multi-hour gaps are a user away from the keyboard,

@@ -95,6 +95,7 @@ class AnalysisReport:
     # policy -> statistics of per-window max/mean token load over instances
     balance: dict[str, dict[str, float]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    scope: str = "family"
 
 
 def _dense_blocks(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
@@ -195,11 +196,17 @@ def analyze(
     window_s: float = 60.0,
     concurrency: float | None = None,
     seed: int = 0,
+    scope: str = "family",
 ) -> AnalysisReport:
     """Analyse `workload`; see the module docstring for how sessions are placed and reuse is split.
 
     `concurrency` (default 8 x instances, enough load to make balance matter) sets the placement rate of workloads without start times.
+    `scope`: what counts as "intra-session" reuse: "family" (a root session and its sub-agents) or
+    "session" (the session alone: a fork's reuse of its parent's context is inter-session, as the
+    paper counts it). System-prompt blocks are always those opening the first request of >= 2 families.
     """
+    if scope not in ("family", "session"):
+        raise ValueError(f"scope must be 'family' or 'session', got {scope!r}")
     w = workload
     conc = float(concurrency if concurrency is not None else 8 * instances)
     start, placement = _place(w, conc, seed)
@@ -246,7 +253,7 @@ def analyze(
         prev = last_use[idx]
         unseen = np.flatnonzero(prev == -np.inf)
         hg = int(unseen[0]) if len(unseen) else n
-        seen = fam_seen.setdefault(fams[j], set())
+        seen = fam_seen.setdefault(fams[j] if scope == "family" else sess_idx[j], set())
         # Family hits form a prefix of the global hit (blocks are prefix-chained): binary search.
         lo, hi = 0, hg
         while lo < hi:
@@ -328,6 +335,7 @@ def analyze(
         window_s=window_s,
         balance=balance,
         meta=dict(w.meta),
+        scope=scope,
     )
 
 
@@ -350,6 +358,12 @@ def format_report(report: AnalysisReport) -> str:
         f"- sessions: {r.sessions:,} ({r.families:,} session families), requests: {r.requests:,}, "
         f"block size: {r.block_size} tokens, blocks: {r.total_blocks:,}",
         f"- placement: {r.placement}",
+        "- intra-session reuse counted per "
+        + (
+            "session (the paper's definition)"
+            if r.scope == "session"
+            else "session family (root + sub-agents)"
+        ),
     ]
     for note in r.meta.get("notes", []):
         lines.append(f"- note: {note}")

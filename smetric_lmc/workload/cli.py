@@ -6,24 +6,29 @@ import argparse
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from .analyze import analyze, format_report, plot_report
 from .loaders import load_any
 from .model import Workload
 from .native import save_native
-from .synthetic import synthetic
+from .presets import PAPER_TRACE1, PRESETS, preset_workload, requests_per_root
 
 log = logging.getLogger(__name__)
 
 
-def _load(spec: str, shared_prefix: bool, sessions: int, seed: int, scale: float) -> Workload:
+def _load(
+    spec: str, shared_prefix: bool, sessions: int, seed: int, scale: float, preset: str = "weka"
+) -> Workload:
     if spec == "synthetic":
-        return synthetic(sessions, seed=seed, scale=scale)
+        return preset_workload(preset, sessions, seed=seed, scale=scale)
     return load_any(spec, shared_prefix=shared_prefix)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    w = _load(args.path, args.shared_prefix, args.sessions, args.seed, args.scale)
-    report = analyze(w, instances=args.instances, window_s=args.window, concurrency=args.concurrency)
+    w = _load(args.path, args.shared_prefix, args.sessions, args.seed, args.scale, args.preset)
+    report = analyze(w, instances=args.instances, window_s=args.window, concurrency=args.concurrency,
+                     scope=args.scope)  # fmt: skip
     text = format_report(report)
     print(text)
     if args.out:
@@ -43,9 +48,61 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    w = synthetic(args.sessions, seed=args.seed, scale=args.scale)
+    w = preset_workload(args.preset, args.sessions, seed=args.seed, scale=args.scale)
     path = save_native(w, args.out)
     print(f"wrote {path}: {len(w.sessions)} sessions, {w.n_requests} requests")
+    return 0
+
+
+def preset_rows(workloads: dict[str, Workload], kv_tokens: int) -> list[tuple[str, list[str]]]:
+    """One row of paper-comparable statistics per workload (reuse split per session, as the paper)."""
+    rows: list[tuple[str, list[str]]] = []
+    for label, w in workloads.items():
+        r = analyze(w, scope="session")
+        tot = max(r.reuse["total"], 1e-12)
+        within = (
+            float(np.interp(100.0, r.interval_edges, r.interval_cdf)) if len(r.interval_cdf) else float("nan")
+        )
+        rows.append((label, [
+            f"{r.reuse['total']:.1%}", f"{r.reuse['intra_session'] / tot:.1%}",
+            f"{r.reuse['system_prompt'] / tot:.1%}", f"{r.reuse['inter_session'] / tot:.1%}",
+            f"{within:.1%}", f"{r.interval_pct['p90']:.0f}", f"{requests_per_root(w):.1f}",
+            f"{r.input_pct['mean']:,.0f}", f"{r.input_pct['mean'] / kv_tokens:.3f}",
+        ]))  # fmt: skip
+    return rows
+
+
+def presets_table(workloads: dict[str, Workload], kv_tokens: int) -> str:
+    head = ["workload", "ideal reuse", "intra-session share", "system-prompt share", "inter-session share",
+            "reuse within 100 s", "reuse p90 (s)", "requests per root", "mean input", "mean input / KV"]  # fmt: skip
+    lo, hi = PAPER_TRACE1["system_prompt_share"]  # type: ignore[misc]
+    paper = [f"≈{PAPER_TRACE1['reuse_total']:.0%}", f"≈{PAPER_TRACE1['intra_share']:.0%}", f"{lo:.0%}–{hi:.0%}",
+             "the rest (≈13–15%)", "≈90%", f"≈{PAPER_TRACE1['reuse_p90_s']:.0f}", "–", "–", "–"]  # fmt: skip
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        "| paper, Trace 1 | " + " | ".join(paper) + " |",
+    ]
+    lines += [
+        "| " + label + " | " + " | ".join(cells) + " |" for label, cells in preset_rows(workloads, kv_tokens)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from smetric_lmc.sim.profile import load_profile
+
+    kv = load_profile("qwen3-30b-a3b-h20").kv_capacity_tokens()
+    wls: dict[str, Workload] = {
+        f"preset {name} ({args.sessions} roots)": preset_workload(name, args.sessions, seed=args.seed)
+        for name in PRESETS
+    }
+    if args.weka:
+        wls["WEKA trace, --shared-prefix"] = load_any(args.weka, shared_prefix=True)
+    print(presets_table(wls, kv))
+    print(
+        f"(reuse split per session, as the paper counts it; KV = {kv:,} tokens per instance, default profile)"
+    )
     return 0
 
 
@@ -64,7 +121,16 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--sessions", type=int, default=200, help="synthetic: root sessions")
     a.add_argument("--seed", type=int, default=0, help="synthetic: seed")
     a.add_argument("--scale", type=float, default=1.0, help="synthetic: token scale")
+    a.add_argument("--preset", choices=tuple(PRESETS), default="weka", help="synthetic: preset")
+    a.add_argument("--scope", choices=("family", "session"), default="family",
+                   help="intra-session reuse per session family (root + sub-agents) or per session (the paper)")  # fmt: skip
     a.set_defaults(func=_cmd_analyze)
+
+    t = sub.add_parser("presets", help="each synthetic preset's statistics vs the paper's published Trace 1")
+    t.add_argument("--sessions", type=int, default=600, help="root sessions generated per preset")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--weka", default=None, help="also analyse this WEKA trace (with --shared-prefix)")
+    t.set_defaults(func=_cmd_presets)
 
     c = sub.add_parser("convert", help="convert a trace to the native workload format")
     c.add_argument("input")
@@ -76,6 +142,7 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--sessions", type=int, required=True)
     s.add_argument("--seed", type=int, required=True)
     s.add_argument("--scale", type=float, default=1.0)
+    s.add_argument("--preset", choices=tuple(PRESETS), default="weka")
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synth)
 

@@ -67,9 +67,24 @@ class SyntheticParams:
     kinds: dict[str, float] = field(default_factory=lambda: {"n": 1.0})
     # token counts are multiplied by `scale` (shorter contexts for tests), shape kept
     scale: float = 1.0
+    # Agent frameworks of root sessions -> share of sessions. Each framework has its own prompt ids
+    # (shared by all its sessions); "main" alone is the WEKA fit (one framework, Claude Code).
+    frameworks: dict[str, float] = field(default_factory=lambda: {"main": 1.0})
+    # Forked agents: a fork is a new session (parent_id = the root) whose first request carries the
+    # root's whole current context plus its own task (`fork.first_extra`), spawned at `fork_rate` per
+    # root call. The paper counts their reuse of the parent's context as inter-session.
+    fork: AgentParams | None = None
+    fork_rate: float = 0.0
+    # Context limit of the agent (it compacts above it), in scaled tokens; None: max_context x scale.
+    # Presets replayed on a model with a shorter window clip it there, as a real agent would.
+    context_limit: int | None = None
+    label: str = "weka"  # the preset these parameters come from (names the workload)
 
     def scaled(self, scale: float) -> SyntheticParams:
         return dataclasses.replace(self, scale=scale)
+
+    def limited(self, context_limit: int | None) -> SyntheticParams:
+        return dataclasses.replace(self, context_limit=context_limit)
 
 
 # Fitted on the WEKA Claude Code trace (639 conversations) by `python -m smetric_lmc.workload.fit`;
@@ -150,10 +165,15 @@ class _Gen:
         parent: str | None,
         offset: float,
         out: list[TraceSession],
+        inherit: np.ndarray | None = None,
+        turn0: int = 0,
     ) -> None:
+        """One session; `inherit` (a fork): block ids of the parent context it starts from, and
+        `turn0` the turn of its first request (a fork's messages carry the parent's assistant turns)."""
         p, rng, bs = self.p, self.rng, self.p.block_size
         n = int(np.clip(np.rint(ap.calls.sample(rng, 1)[0]), 1, ap.max_calls))
-        prompt = int(self.tokens(ap.prompt_tokens))
+        framework_prompt = int(self.tokens(ap.prompt_tokens))
+        prompt = framework_prompt if inherit is None else len(inherit) * bs
         first = int(self.tokens(ap.first_extra.sample(rng, 1))[0])
         growth = self.tokens(p.growth.sample(rng, n))
         growth[rng.random(n) < p.p_no_growth] = 0
@@ -162,17 +182,18 @@ class _Gen:
         outs = np.minimum(self.tokens(p.output.sample(rng, n)), max(1, int(p.max_output * p.scale)))
         thinks = np.where(rng.random(n) < p.p_zero_think, 0.0, p.think.sample(rng, n))
         kinds = rng.choice(len(self.kind_names), size=n, p=self.kind_p)
-        max_ctx = max(prompt + bs, int(p.max_context * p.scale))
+        limit = p.context_limit if p.context_limit is not None else int(p.max_context * p.scale)
+        max_ctx = max(framework_prompt + bs, limit)
 
         inputs = np.empty(n, dtype=np.int64)
         turns = np.empty(n, dtype=np.int64)
         stream_of = np.empty(n, dtype=np.int64)
-        ctx, turn, stream = prompt + first, 0, 0
+        ctx, turn, stream = prompt + first, turn0, 0
         for i in range(n):
             if i:
                 grown = ctx + int(outs[i - 1]) + int(growth[i])
                 if reset[i] or grown > max_ctx:
-                    ctx, turn, stream = prompt + int(reset_extra[i]), 0, stream + 1
+                    ctx, turn, stream = framework_prompt + int(reset_extra[i]), 0, stream + 1
                 else:
                     ctx, turn = grown, turn + 1
             inputs[i] = min(ctx, max_ctx)
@@ -185,14 +206,18 @@ class _Gen:
         thinks[0] = 0.0
 
         nblocks = inputs // bs
-        prompt_blocks = prompt // bs
+        prompt_blocks = framework_prompt // bs
         blocks: list[np.ndarray] = [np.empty(0, dtype=BLOCK_DTYPE)] * n
         for s in range(stream + 1):
             idx = np.flatnonzero(stream_of == s)
             longest = int(nblocks[idx].max())
             ids = _stream_ids(self._key(f"{sid}#{s}"), longest)
-            k = min(prompt_blocks, longest)
-            ids[:k] = self._shared_ids(agent, k)
+            if s == 0 and inherit is not None:
+                k = min(len(inherit), longest)
+                ids[:k] = inherit[:k]
+            else:
+                k = min(prompt_blocks, longest)
+                ids[:k] = self._shared_ids(agent, k)
             for i in idx:
                 blocks[i] = ids[: nblocks[i]]
 
@@ -209,6 +234,11 @@ class _Gen:
             for i in range(n)
         ]
         out.append(TraceSession(sid, reqs, parent, offset))
+        if parent is None and p.fork is not None and p.fork_rate > 0:
+            for k, i in enumerate(np.flatnonzero(rng.random(n) < p.fork_rate)):
+                # the fork starts from the context of call i once that call returns
+                self.session(f"{sid}/fork_{k:03d}", agent, p.fork, sid, offset + float(arrivals[i] + service[i]),
+                             out, inherit=blocks[i], turn0=int(turns[i]) + 1)  # fmt: skip
         if parent is None and p.subagent_rate > 0:
             spawn = np.flatnonzero(rng.random(n) < p.subagent_rate)
             types = list(p.subagent_types)
@@ -236,19 +266,25 @@ def synthetic(
     p = params if scale is None else params.scaled(scale)
     gen = _Gen(seed, p)
     sessions: list[TraceSession] = []
+    names = list(p.frameworks)
+    probs = np.array([p.frameworks[k] for k in names], dtype=float)
     for i in range(n_sessions):
-        gen.session(f"syn{i:05d}", "main", p.main, None, 0.0, sessions)
+        # one framework (the WEKA fit) draws nothing, so its workloads stay what they were
+        fw = names[int(gen.rng.choice(len(names), p=probs / probs.sum()))] if len(names) > 1 else names[0]
+        gen.session(f"syn{i:05d}", fw, p.main, None, 0.0, sessions)
     meta = {
         "source": "synthetic",
         "format": "synthetic",
+        "preset": p.label,
         "seed": seed,
         "scale": p.scale,
         "absolute_starts": False,
         "shared_prefix": True,
         "notes": [
-            "synthetic agent sessions calibrated to the WEKA Claude Code trace",
+            f"synthetic agent sessions, preset {p.label} (scale {p.scale:g})",
             "framework prompt blocks shared by all sessions of one agent type",
             "no absolute session start times: root sessions start at 0 and a replay places them",
         ],
     }
-    return Workload(f"synthetic-s{seed}", p.block_size, sessions, meta)
+    name = f"synthetic-s{seed}" if p.label == "weka" else f"{p.label}-s{seed}"
+    return Workload(name, p.block_size, sessions, meta)

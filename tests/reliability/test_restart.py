@@ -7,7 +7,9 @@ from the fixture on a real XPUB, and a ROUTER answering replays from the same re
 from __future__ import annotations
 
 import json
+import random
 import sys
+import time
 from pathlib import Path
 
 import zmq.asyncio
@@ -64,9 +66,10 @@ async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path:
         second = ControllerApp(parse_config(_config(engine, path)), enable_metrics_http=False)
         await second.start()
         try:
-            assert second.snapshot_stats["restored_blocks"] > 0
+            assert second.core.catching_up  # restoring in the background: routes go by load
             sub = second.subscribers["a"]
             await wait_for(lambda: sub.caught_up.is_set() and not second.core.catching_up, what="catch-up")
+            assert second.snapshot_stats["restored_blocks"] > 0
             assert engine.replay_requests == [6]  # from the batch after the snapshot's, not from 0
             assert sub.stats.last_seq == last and sub.stats.gaps == 0
             assert S.same_content(second.index, _truth(engine.frames, last), ["a"]) == []
@@ -108,3 +111,30 @@ async def test_routes_by_load_until_the_replay_is_in(tmp_path: Path) -> None:
         engine._task.cancel()
         engine.pub.close(linger=0)
         ctx.destroy(linger=0)
+
+
+async def test_routes_are_answered_while_a_large_snapshot_is_restored(tmp_path: Path) -> None:
+    idx = TierIndex(32)
+    for i in range(2):
+        idx.register_instance(f"i{i}")
+    rng = random.Random(3)
+    for k in range(4000):  # 200,000 blocks: about a second to restore here
+        chain = [rng.getrandbits(63) + 1 for _ in range(50)]
+        idx.gpu_stored_hashes(f"i{k % 2}", chain, engine_hashes=[rng.getrandbits(63) + 1 for _ in chain])
+    path = tmp_path / "index.snap"
+    S.write(path, S.take(idx))
+    cfg = base_config(instances=[{"id": "i0", "http": "http://127.0.0.1:9"}, {"id": "i1", "http": "http://127.0.0.1:9"}],
+                      snapshot={"path": str(path)})
+    app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
+    t0 = time.monotonic()
+    await app.start()
+    try:
+        async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
+            d = await client.route("r1", token_ids=[1] * 64, turn=0)
+            answered = time.monotonic() - t0
+            assert app.core.catching_up and d.index_ready is False and d.instance_id in ("i0", "i1")
+            await wait_for(lambda: not app.core.catching_up, 30.0, "restore")
+            assert answered < app.snapshot_stats["restore_s"]
+            assert S.same_content(app.index, idx) == []
+    finally:
+        await app.close()

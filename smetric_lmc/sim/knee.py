@@ -1,0 +1,133 @@
+"""Each policy at its own saturation knee, for many settings at once.
+
+A setting is a workload, a sim config (cluster, global tier, PD mode, arrival window) and a profile.
+A pilot run of one policy at a guessed load measures the GPU busy share; the session rate is scaled
+towards ``TARGET_BUSY`` (twice, by default). Every policy then runs at ``factors`` × that knee rate
+(roots drawn with replacement, so more load means more sessions, never a pool that runs dry) and
+is credited with its best score; a policy whose best is its highest load gets one more run 1.5 x
+further. A peak still at the top rate, or below ``BUSY_FLAG`` GPU busy, is flagged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.sim.batch import Task, run_tasks
+from smetric_lmc.sim.config import SimConfig
+from smetric_lmc.sim.metrics import SimResult
+from smetric_lmc.sim.profile import Profile
+from smetric_lmc.workload.model import Workload
+from smetric_lmc.workload.presets import requests_per_root
+
+TARGET_BUSY = 0.9
+BUSY_FLAG = 0.8
+EXTEND_STEP = 1.5
+
+
+@dataclass(frozen=True)
+class Setting:
+    wkey: str  # key into the workloads mapping
+    cfg: SimConfig  # its rate is ignored: the knee search sets it
+    profile: Profile
+
+
+@dataclass
+class KneeResult:
+    knee_rate: float
+    peaks: dict[str, SimResult] = field(default_factory=dict)  # policy -> its best run
+    rate_factor: dict[str, float] = field(default_factory=dict)  # policy -> best rate / knee rate
+    by_rate: dict[str, dict[float, float]] = field(default_factory=dict)  # policy -> rate -> score
+    flags: list[str] = field(default_factory=list)
+
+    def score(self, policy: str) -> float:
+        r = self.peaks.get(policy)
+        return float("nan") if r is None else r.score
+
+    def summary(self, policy: str) -> dict[str, Any]:
+        r = self.peaks.get(policy)
+        return {} if r is None else r.summary
+
+    def best_of(self, policies: Sequence[str]) -> tuple[str, float]:
+        got = [(p, self.score(p)) for p in policies if p in self.peaks]
+        return max(got, key=lambda kv: kv[1]) if got else ("", float("nan"))
+
+    def ratio(self, policy: str, baselines: Sequence[str]) -> float:
+        _, b = self.best_of(baselines)
+        return self.score(policy) / b if b > 0 else float("nan")
+
+
+def guess_rate(wl: Workload, prof: Profile, instances: int) -> float:
+    """Root sessions/s that would keep the GPUs ~50% busy by a crude cost model (the pilot corrects it)."""
+    reqs = [r for _, r in wl.iter_requests()]
+    mean_in = sum(r.input_tokens for r in reqs) / max(1, len(reqs))
+    mean_out = sum(r.output_tokens for r in reqs) / max(1, len(reqs))
+    miss = int(0.25 * mean_in) + 1
+    prefill = prof.iteration_time([(miss, int(mean_in - miss))], 0, 0)
+    batch = 16
+    decode = mean_out * prof.iteration_time([], batch, int(batch * mean_in)) / batch
+    return 0.5 * instances / ((prefill + decode) * requests_per_root(wl))
+
+
+def _at(cfg: SimConfig, rate: float) -> SimConfig:
+    return msgspec.structs.replace(cfg, rate=rate)
+
+
+def knee_sweeps(
+    workloads: Mapping[str, Workload],
+    settings: Mapping[Hashable, Setting],
+    policies: Sequence[PolicyConfig],
+    pilot: PolicyConfig,
+    factors: Sequence[float],
+    jobs: int = 1,
+    pilots: int = 2,
+    desc: str = "knee",
+    extend: int = 1,
+) -> dict[Hashable, KneeResult]:
+    """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
+    ``EXTEND_STEP`` x further, for the policies whose best is still their top load."""
+    keys = list(settings)
+    knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
+    for it in range(pilots):
+        tasks = [
+            Task(settings[k].wkey, _at(settings[k].cfg, knee[k]), pilot, settings[k].profile) for k in keys
+        ]
+        for k, r in zip(keys, run_tasks(workloads, tasks, jobs, desc=f"{desc}: pilot {it + 1}/{pilots}")):
+            busy = max(float(r.summary.get("gpu_busy_share", 0.0)), 0.05)
+            knee[k] *= min(16.0, max(0.25, TARGET_BUSY / busy))
+    out = {k: KneeResult(knee[k]) for k in keys}
+    todo = [(k, pol, f) for k in keys for pol in policies for f in factors]
+    top = {(k, pol.name): max(factors) for k in keys for pol in policies}
+    for rnd in range(extend + 1):
+        tasks = [
+            Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), pol, settings[k].profile)
+            for k, pol, f in todo
+        ]
+        label = desc if rnd == 0 else f"{desc}: past the top load ({rnd}/{extend})"
+        for (k, pol, f), r in zip(todo, run_tasks(workloads, tasks, jobs, desc=label), strict=True):
+            kr = out[k]
+            kr.by_rate.setdefault(pol.name, {})[knee[k] * f] = r.score
+            if pol.name not in kr.peaks or r.score > kr.peaks[pol.name].score:
+                kr.peaks[pol.name] = r
+                kr.rate_factor[pol.name] = f
+        if rnd == extend:
+            break
+        # a policy still best at its top load has not shown its knee: one more step up
+        todo = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
+                if out[k].rate_factor[pol.name] >= top[(k, pol.name)] and len(factors) > 1]  # fmt: skip
+        for k, pol, f in todo:
+            top[(k, pol.name)] = f
+        if not todo:
+            break
+    for k, kr in out.items():
+        for name, r in kr.peaks.items():
+            if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:
+                kr.flags.append(f"{name}: best at the top rate")
+            busy = float(r.summary.get("gpu_busy_share", 0.0))
+            if busy < BUSY_FLAG:
+                kr.flags.append(f"{name}: peak at {busy:.0%} GPU busy")
+    return out

@@ -1,0 +1,160 @@
+"""The regime map, knee sweeps, decision traces and the results report, on tiny runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.sim import cli
+from smetric_lmc.sim.batch import decision_breakdown
+from smetric_lmc.sim.cluster import simulate
+from smetric_lmc.sim.config import load_sim_config
+from smetric_lmc.sim.knee import Setting, knee_sweeps
+from smetric_lmc.sim.profile import load_profile
+from smetric_lmc.sim.regime_map import (
+    MapSpec,
+    build_workloads,
+    grown_profile,
+    heatmap_png,
+    map_markdown,
+    run_map,
+)
+from smetric_lmc.sim.results_doc import VARIANT, Size, main_report
+from smetric_lmc.workload import save_native, synthetic
+from smetric_lmc.workload.presets import preset_workload
+
+PROF = load_profile("qwen3-30b-a3b-h20")
+
+
+def test_grown_profile_holds_the_requested_kv() -> None:
+    p = grown_profile(PROF, 2_000_000)
+    assert p.kv_capacity_tokens() == pytest.approx(2_000_000, rel=1e-3)
+    k = 2_000_000 / PROF.kv_capacity_tokens()
+    assert p.host_pool_gib_per_node == pytest.approx(PROF.host_pool_gib_per_node * k)
+    assert p.iteration_time([(1000, 0)], 0, 0) == PROF.iteration_time([(1000, 0)], 0, 0)  # same compute
+
+
+def test_map_columns_reach_their_x() -> None:
+    spec = MapSpec(xs=(0.02, 0.3), pool_roots=80)
+    wls, per_x = build_workloads(spec, PROF)
+    for x, (scale, prof) in per_x.items():
+        wl = wls["scale1" if scale == 1.0 else f"x{x}"]
+        mean = np.mean([r.input_tokens for _, r in wl.iter_requests()])
+        assert mean / prof.kv_capacity_tokens() == pytest.approx(x, rel=0.1)
+    assert per_x[0.02][0] == 1.0 and per_x[0.3][0] > 1.0  # capacity below x0, contexts above
+
+
+def test_decision_breakdown_known_answer() -> None:
+    cols = {
+        "rejected": np.array([False, False, False, True]),
+        "input": np.array([100, 300, 500, 900]),
+        "local_tokens": np.array([50, 200, 0, 0]),
+        "global_tokens": np.array([0, 0, 400, 0]),
+        "first_token": np.array([1.0, 3.0, 5.0, np.nan]),
+        "arrival": np.array([0.0, 1.0, 1.0, 0.0]),
+    }
+    br = decision_breakdown(cols, ["sticky", "sticky", "evicted_fallback", "sticky"])
+    assert br["sticky"]["share"] == pytest.approx(2 / 3)
+    assert br["sticky"]["recomputed"] == pytest.approx((50 + 100) / 2)
+    assert br["sticky"]["ttft"] == pytest.approx(1.5)
+    assert br["evicted_fallback"] == pytest.approx(
+        {"share": 1 / 3, "input": 500, "local": 0, "global": 400, "recomputed": 100, "ttft": 4.0}
+    )
+
+
+def test_knee_sweep_finds_a_loaded_peak_for_every_policy() -> None:
+    wl = preset_workload("trace1", 40, seed=0, scale=0.5)
+    cfg = load_sim_config(instances=2, global_tier="full", sampling="replace", arrival_window_s=150.0)
+    pols = [PolicyConfig(name="smetric"), PolicyConfig(name="load_balance")]
+    res = knee_sweeps({"w": wl}, {"s": Setting("w", cfg, PROF)}, pols, pols[0], (0.7, 1.3), pilots=1)
+    kr = res["s"]
+    assert kr.knee_rate > 0 and set(kr.peaks) == {"smetric", "load_balance"}
+    for rates in kr.by_rate.values():
+        got = sorted(rates)
+        assert got[:2] == pytest.approx([0.7 * kr.knee_rate, 1.3 * kr.knee_rate])
+        if len(got) == 3:  # best at the top load: one more run 1.5 x further
+            assert got[2] == pytest.approx(1.95 * kr.knee_rate) and rates[got[1]] >= rates[got[0]]
+        assert len(got) <= 3
+    for r in kr.peaks.values():
+        assert r.score == max(kr.by_rate[r.policy].values()) > 0
+        assert 0 < r.summary["gpu_busy_share"] <= 1 and r.summary["by_reason"]
+    assert kr.ratio("smetric", ["load_balance"]) == pytest.approx(
+        kr.score("smetric") / kr.score("load_balance")
+    )
+
+
+def test_map_tiny(tmp_path: Path) -> None:
+    spec = MapSpec(xs=(0.05, 0.3), tiers=("none", "full"), instances=2, pool_roots=30, window_s=120.0,
+                   rate_factors=(1.0,), variant=VARIANT, pilots=1, baselines=("load_balance",))  # fmt: skip
+    m = run_map(spec, load_sim_config(), PROF)
+    assert len(m.cells) == 4 and all(
+        set(c.knee.peaks) == {"smetric", VARIANT, "load_balance"} for c in m.cells
+    )
+    md = map_markdown(m, "map.png")
+    assert (
+        "SMetric ÷ best baseline" in md
+        and "**no global tier, x ≤ 0.1.**" in md
+        and "**full global tier, x ≥ 0.2.**" in md
+    )
+    assert heatmap_png(m, tmp_path / "map.png").stat().st_size > 0
+
+
+def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = save_native(synthetic(4, seed=1, scale=0.05), tmp_path / "weka.msgpack")
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    args = ap.parse_args(["report", "--trace", str(trace), "--out", str(tmp_path / "results.md")])
+    tiny = Size(2, 100.0, 20, (1.0,), 1, False,
+                MapSpec(xs=(0.3,), tiers=("full",), instances=2, pool_roots=20, window_s=100.0,
+                        rate_factors=(1.0,), variant=VARIANT, pilots=1))  # fmt: skip
+    assert main_report(args, tiny) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert list(summary) == [
+        "kv_load_mode", "peak_busy_min", "smetric_vs_best_global_trace1", "smetric_vs_best_noglobal_trace1",
+        "smetric_vs_best_pd_trace1", "smetric_vs_best_global_weka", "smetric_vs_best_noglobal_weka", "variant",
+        "variant_vs_best_min_over_map", "variant_vs_smetric_min_over_map",
+    ]  # fmt: skip
+    assert summary["kv_load_mode"] == "sync" and summary["variant"] == VARIANT
+    assert last.startswith('{"kv_load_mode":"sync","peak_busy_min":')
+    doc = (tmp_path / "results.md").read_text()
+    assert "## Regime map" in doc and "decision traces" in doc and "kv_load_mode async" in doc
+    assert (tmp_path / "img" / "regime_map.png").stat().st_size > 0
+
+
+def test_sim_cli_runs_the_trace1_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["--preset", "trace1", "--scale", "0.1", "--sessions", "6", "--instances", "2",
+                   "--policies", "smetric,smetric_cost"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "workload trace1-s0" in out and "| smetric_cost |" in out
+
+
+def test_no_drain_leaves_the_measured_window_unchanged() -> None:
+    wl = preset_workload("trace1", 30, seed=2, scale=0.5)
+    cfg = load_sim_config(
+        instances=2, global_tier="full", rate=0.3, sampling="replace", arrival_window_s=120.0
+    )
+    a = simulate(wl, cfg, "smetric")
+    b = simulate(wl, msgspec.structs.replace(cfg, drain=False), "smetric")
+    assert b.summary["requests"] < a.summary["requests"]  # the sessions' tails were not replayed
+    for k in ("tps_slo", "prefill_tps_slo", "gpu_busy_share"):
+        assert b.summary[k] == pytest.approx(a.summary[k], rel=1e-9), k
+
+
+def test_sim_map_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(
+        ["map", "--quick", "--xs", "0.3", "--tiers", "full", "--instances", "2", "--out", str(tmp_path)]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["variant_vs_best_min"] > 0
+    assert (tmp_path / "regime_map.png").stat().st_size > 0 and "SMetric ÷ best baseline" in (
+        tmp_path / "map.md"
+    ).read_text()
