@@ -166,6 +166,18 @@ def _ready() -> bool:
     return True
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: a controller killed with SIGKILL cannot stop its worker, so the kernel
+    does (Linux ``PR_SET_PDEATHSIG``); elsewhere the worker exits when its pipes close."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class FramePrep:
     """One worker process (spawned, so no ZMQ context is inherited) that prepares large frames.
 
@@ -186,7 +198,8 @@ class FramePrep:
         caller then answers large frames on the loop, and says so once in the log."""
         if self._pool is None and self.unavailable is None:
             try:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                                 initializer=_die_with_parent)
                 self._pool.submit(_ready)
             except (AssertionError, OSError) as exc:  # multiprocessing asserts a daemon has no children
                 self._pool = None

@@ -282,3 +282,45 @@ async def test_lmcache_pull_yields_after_its_byte_budget(monkeypatch: pytest.Mon
     finally:
         await server.close()
         ctx.destroy(linger=0)
+
+
+def _prep_owner(conn: object) -> None:
+    from smetric_lmc.controller.route_prep import FramePrep, _ready
+
+    prep = FramePrep(HashSettings(block_size=BS), make_core().limits)
+    prep.start()
+    assert prep._pool is not None
+    prep._pool.submit(_ready).result(60)
+    conn.send(list(prep._pool._processes))  # type: ignore[attr-defined]
+    time.sleep(3600)
+
+
+def test_the_frame_worker_dies_with_a_killed_controller() -> None:
+    import multiprocessing as mp
+    import os
+    import signal
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_prep_owner, args=(child,))
+    owner.start()
+    assert parent.poll(60)
+    (worker,) = parent.recv()
+    os.kill(owner.pid or 0, signal.SIGKILL)
+    owner.join(10)
+
+    def gone() -> bool:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{worker}/stat") as f:  # a zombie (exited, not yet reaped) is gone too
+            return f.read().split()[2] == "Z"
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = not gone()
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, "the frame worker outlived its controller"
