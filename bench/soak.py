@@ -1,41 +1,57 @@
-"""Hostile-peer soak: malformed messages on every peer-facing socket of a running controller.
+"""Reliability soak: hostile peers, a long route load with and without done, faults, replicas.
 
-    python bench/soak.py                      # 100,000 malformed messages (several minutes here)
-    python bench/soak.py --frames 5000        # a smoke run
+    python bench/soak.py                                   # the issue's durations (~17 min here)
+    python bench/soak.py --frames 5000 --soak-s 20 --no-done-s 10 --replica-s 3   # a smoke run
 
-A ``ControllerApp`` (route socket, LMCache worker sockets, one KV-event subscriber) runs in this
-process with a loop-lag probe on its event loop; a second process plays the hostile peers: it
-sends messages drawn from ``smetric_lmc.hostile`` (random, truncated, wrong types, deep nesting,
-huge lists, extreme integers, bad framing, protocol abuse) to the route ROUTER and the LMCache
-ROUTER (counting every reply), PUSHes them to the LMCache PULL, and publishes them as the engine
-the subscriber follows. Afterwards a valid route must succeed.
+Phases, in order:
 
-Prints a report, then ONE JSON line with the keys of the reliability issue this run measures:
-``{"malformed_frames", "controller_crashes", "unanswered_requests", "max_loop_stall_ms",
-"rss_growth_mb"}``, then (unless ``--no-faults``) ``bench/faults.py``'s ``dead_engine_out_s``,
-``engine_back_s``, ``restart_index_equal``, ``restart_first_route_s``. ``malformed_frames`` counts what the controller received (its own counters),
-not what was sent. Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall <= 50 ms,
-RSS growth <= 50 MB.
+1. hostile storm: a ``ControllerApp`` (route socket, LMCache worker sockets, one KV-event
+   subscriber) runs in this process with a loop-lag probe on its event loop; a second process
+   plays the hostile peers: messages drawn from ``smetric_lmc.hostile`` (random, truncated, wrong
+   types, deep nesting, huge lists, extreme integers, bad framing, protocol abuse) to the route
+   ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
+   as the engine the subscriber follows.
+2. load soak on the same controller: an open-loop client process (bench/soak_load.py) at the
+   highest sustainable rate (``--rate``; 0 = half the closed-loop ceiling measured first, the
+   headroom a shared machine needs to keep p99 low) for ``--soak-s`` with done reports, then
+   ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``).
+   RSS growth and the worst loop stall cover phases 1-2; RSS is read after ``--settle-s`` idle
+   (the controller returns freed memory to the OS every 5 s, see controller/memory.py).
+3. faults: ``bench/faults.py`` (stand-in engines, not vLLM; see its docstring): kill -9 of an
+   engine under load (out / back times), kill -9 of the controller and a restart from its
+   snapshot (first route time, index equal to the engine's truth); then a route socket with a
+   CURVE allow-list and a client with a self-made keypair (must be refused).
+4. replicas (bench/replicas.py): routes/s with 1, 2, 4 sharing replicas.
+
+Prints a report, then ONE JSON line with the reliability issue's keys. ``malformed_frames``
+counts what the controller received (its own counters), not what was sent;
+``max_loop_stall_ms`` is the worst lateness of a 5 ms timer (wall time: on a shared machine
+this includes the OS running other processes; ``loop`` in the report says how much of it the
+loop's thread spent on CPU). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
+<= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
+restart, soak p99 <= 5 ms, routes/s growing with replicas.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import json
 import logging
 import multiprocessing as mp
 import random
-import socket
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+import replicas as replicas_bench  # noqa: E402  (bench/ is the script's directory)
+import soak_load
 import zmq
 import zmq.asyncio
+from replicas import free_ports
 
 from smetric_lmc import hostile
 from smetric_lmc.client import AsyncRouteClient
@@ -44,25 +60,6 @@ from smetric_lmc.controller.app import ControllerApp
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _malloc_trim() -> bool:
-    """Ask glibc to return freed heap pages: tells retained garbage from live state."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0) or True)
-    except OSError:
-        return False
 
 
 def rss_mb() -> float:
@@ -152,10 +149,28 @@ class CrashCounter(logging.Handler):
 
 
 async def loop_lag(state: dict[str, float], period_s: float = 0.005) -> None:
+    """Worst lateness of a timer on the loop (wall), and how much of it the loop's thread spent on
+    CPU: on a shared machine a late timer can be the OS scheduling other processes, not loop work."""
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         await asyncio.sleep(period_s)
-        state["max"] = max(state["max"], time.perf_counter() - t0 - period_s)
+        late = time.perf_counter() - t0 - period_s
+        if late > state["max"]:
+            state["max"] = late
+            state["max_cpu"] = time.thread_time() - c0
+        state["max_busy"] = max(state.get("max_busy", 0.0), time.thread_time() - c0 - period_s)
+
+
+def gc_pauses(state: dict[str, float]) -> None:
+    t: list[float] = [0.0]
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            state["gc_max"] = max(state.get("gc_max", 0.0), time.perf_counter() - t[0])
+
+    gc.callbacks.append(cb)
 
 
 def received(app: ControllerApp) -> dict[str, int]:
@@ -167,6 +182,91 @@ def received(app: ControllerApp) -> dict[str, int]:
         "kv": sub.batches + sub.decode_errors + sub.bad_frames + sub.other_topic + sub.oversize_batches
         + sub.duplicates,
     }
+
+
+async def _in_child(target: Any, *args: Any) -> Any:
+    """Run ``target(*args, conn)`` in a spawned process and return what it sends."""
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=target, args=(*args, child))
+    proc.start()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+    finally:
+        proc.join(30)
+
+
+async def load_soak(app: ControllerApp, args: argparse.Namespace) -> dict[str, Any]:
+    endpoint = app.service.endpoint or ""
+    ceiling = await _in_child(soak_load.calibrate, endpoint, args.calibrate_s, 16)
+    rate = args.rate or max(50.0, round(ceiling / 2))
+    phases = {}
+    for name, seconds, done in (("with_done", args.soak_s, True), ("without_done", args.no_done_s, False)):
+        if seconds <= 0:
+            continue
+        print(f"soak {name}: {rate:.0f} routes/s for {seconds:.0f} s", file=sys.stderr)
+        phases[name] = await _in_child(soak_load.load_client, endpoint, rate, seconds, done)
+        phases[name]["in_flight_after"] = len(app.load)
+    return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "phases": phases}
+
+
+def faults(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/faults.py (dead engine out/back, controller kill -9 and restart) and the CURVE check."""
+    out: dict[str, Any] = {"faults": None, "faults_skipped": "--no-faults" if args.no_faults else None}
+    if not args.no_faults:
+        import faults as faults_bench  # bench/faults.py
+
+        try:
+            out["faults"] = asyncio.run(faults_bench.measure(poll_s=args.poll_s))
+        except Exception as exc:  # reported as null with the reason, never as a number
+            out["faults_skipped"] = f"{type(exc).__name__}: {exc}"
+    try:
+        out["curve_unknown_client_refused"] = curve_refuses_unknown_client()
+    except Exception as exc:
+        out["curve_unknown_client_refused"] = None
+        out["curve_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def curve_refuses_unknown_client() -> bool:
+    from smetric_lmc.client import RouteClient, RouteRefused
+    from smetric_lmc.controller.service import RouteCore, RouteService
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_controller_service import make_core  # type: ignore[import-not-found]
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())
+    core: RouteCore = make_core()
+
+    async def go() -> bool:
+        svc = RouteService(core, "tcp://127.0.0.1:*", curve_secret_key=secret, curve_public_key=public,
+                           curve_client_keys=[known_pub], ctx=zmq.asyncio.Context())
+        endpoint = svc.bind()
+        task = asyncio.create_task(svc.run())
+        loop = asyncio.get_running_loop()
+
+        def clients() -> bool:
+            # Both clients stay open together: HandshakeWatch names its inproc monitor by id(),
+            # which a second client created after the first is freed may reuse (address in use).
+            with RouteClient(endpoint, curve_server_key=public, curve_public_key=known_pub,
+                             curve_secret_key=known_sec, timeout_s=3.0) as c:
+                known_ok = c.health().ok
+                try:
+                    with RouteClient(endpoint, curve_server_key=public, timeout_s=2.0) as stranger:
+                        stranger.health()
+                    return False
+                except RouteRefused:
+                    return known_ok
+
+        try:
+            return await loop.run_in_executor(None, clients)
+        finally:
+            await svc.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return asyncio.run(go()) and core.counters["health"] == 1
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,6 +293,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     proc = None
     app: ControllerApp | None = None
     lag = {"max": 0.0}
+    elapsed = 0.0
     try:
         app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
         await app.start()
@@ -204,6 +305,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await loop.run_in_executor(None, parent.recv)  # "bound"
         await asyncio.sleep(0.5)  # warm-up: the subscription reaches the peer
         rss0 = rss_mb()
+        gc_pauses(lag)
         lag_task = asyncio.create_task(loop_lag(lag))
         t0 = time.perf_counter()
         result = await loop.run_in_executor(None, parent.recv)
@@ -215,13 +317,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if now != last:
                 last, stable_since = now, time.perf_counter()
         elapsed = time.perf_counter() - t0 - 2.0
-        lag_task.cancel()
-        rss1 = rss_mb()
         got = received(app)  # before the valid route below adds one
-        gc.collect()
-        trimmed = rss1 - rss_mb() if _malloc_trim() else 0.0
-        state = {"index": {**app.index.sizes()}, "in_flight": len(app.load),
-                 "lmcache_workers": len(app.lmcache_server.workers())}
         unanswered = result["unanswered"]
         try:
             async with AsyncRouteClient(app.service.endpoint or "", timeout_s=5.0) as client:
@@ -231,16 +327,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             valid_after = False
         if not valid_after:
             unanswered += 1
+        storm_loop = {k: round(v * 1000, 1) for k, v in lag.items()}
+        soak = await load_soak(app, args)
+        unanswered += sum(r["unanswered"] for r in soak["phases"].values())
+        await asyncio.sleep(args.settle_s)  # idle: the controller's periodic malloc_trim runs
+        lag_task.cancel()
+        rss1 = rss_mb()
+        state = {"index": {**app.index.sizes()}, "in_flight": len(app.load),
+                 "lmcache_workers": len(app.lmcache_server.workers()), "load": dict(app.load.stats)}
         dead = [t.get_name() for t in app._tasks if t.done()]
         internal = app.core.counters["internal_errors"] + app.lmcache_server.stats["internal_errors"] + sum(
             s.stats.internal_errors for s in app.subscribers.values())
+        with_done = soak["phases"]["with_done"]
         return {
             "sent": {k: v for k, v in result.items() if k.startswith("sent_")},
             "received": got,
-            "elapsed_s": round(elapsed, 1),
-            "rss_returned_by_malloc_trim_mb": round(trimmed, 1),
+            "storm_elapsed_s": round(elapsed, 1),
+            "storm_loop_ms": storm_loop,
+            "soak": soak,
+            "loop_ms": {k: round(v * 1000, 1) for k, v in lag.items()},
+            "rss_mb": {"start": round(rss0, 1), "end": round(rss1, 1)},
+            "service": dict(app.service.counters),
             "state_after": state,
-            "valid_route_after": valid_after,
+            "valid_route_after_storm": valid_after,
             "dead_parts": dead,
             "internal_errors": internal,
             "errors_by_code": dict(app.core.errors_by_code),
@@ -253,6 +362,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "unanswered_requests": unanswered,
                 "max_loop_stall_ms": round(lag["max"] * 1000, 1),
                 "rss_growth_mb": round(rss1 - rss0, 1),
+                "soak_routes_per_s": with_done["routes_per_s"],
+                "soak_p99_ms": with_done["p99_ms"],
             },
         }
     finally:
@@ -268,20 +379,31 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=100_000, help="malformed messages in total")
     p.add_argument("--huge-share", type=float, default=0.002, help="share of huge messages (MBs each)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--soak-s", type=float, default=600.0, help="route load with done reports")
+    p.add_argument("--no-done-s", type=float, default=60.0, help="route load without done reports")
+    p.add_argument("--rate", type=float, default=0.0, help="routes/s of the soak (0: half the measured ceiling)")
+    p.add_argument("--calibrate-s", type=float, default=5.0)
+    p.add_argument("--settle-s", type=float, default=6.0, help="idle time before the final RSS reading")
     p.add_argument("--no-faults", action="store_true", help="skip the dead-engine and restart figures (bench/faults.py)")
+    p.add_argument("--poll-s", type=float, default=1.0, help="bench/faults.py: the controller's engine /metrics poll")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
     args = p.parse_args()
     out = asyncio.run(run(args))
-    if not args.no_faults:
-        import faults  # bench/faults.py: dead engine out/back, controller kill -9 and restart
-
-        details = asyncio.run(faults.measure())
-        out["faults"] = details
-        out["json"].update({k: details[k] for k in ("dead_engine_out_s", "engine_back_s", "restart_index_equal",
-                                                    "restart_first_route_s")})
+    f = faults(args)
+    rows = replicas_bench.measure(args.replicas, args.replica_s)
     report = {k: v for k, v in out.items() if k != "json"}
+    report.update(f)
+    report["replicas"] = rows
     for k, v in report.items():
         print(f"{k}: {v}")
-    print(json.dumps(out["json"]))
+    fault_keys = ("dead_engine_out_s", "engine_back_s", "restart_index_equal", "restart_first_route_s")
+    print(json.dumps({
+        **out["json"],
+        **{k: (f["faults"] or {}).get(k) for k in fault_keys},
+        "replicas_routes_per_s": [r["routes_per_s"] for r in rows],
+        "curve_unknown_client_refused": f["curve_unknown_client_refused"],
+    }))
 
 
 if __name__ == "__main__":

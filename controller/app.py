@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -63,6 +64,7 @@ from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 
 from .engine_metrics import EngineMetricsPoller
+from .memory import trim_periodically, tune_malloc
 from .metrics import (
     ControllerMetrics,
     InstanceState,
@@ -71,6 +73,7 @@ from .metrics import (
     StateCollector,
     SubscriberState,
 )
+from .replicas import LoadShare
 from .service import RouteCore, RouteService
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,11 @@ class ControllerApp:
             curve_client_keys=srv.curve_client_keys or None,
             ctx=self.ctx,
         )
+        self.share: LoadShare | None = None
+        if cfg.replicas.pub_url:
+            self.share = LoadShare(self.load, cfg.replicas.id, cfg.replicas.pub_url,
+                                   cfg.replicas.peers, ctx=self.ctx)
+            self.share.attach(self.core)
         self.sink = LiveSink(self.index, self._seen)
         self.subscribers: dict[str, Any] = {}
         self.lmcache_server: Any = None
@@ -199,6 +207,11 @@ class ControllerApp:
             self.core.catching_up = True  # route by load until restored and replayed
         self.service.bind()
         self._spawn("route-service", self.service.run)
+        tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
+        self._spawn("memory-trim", trim_periodically)
+        if self.share is not None:
+            self.share.bind()
+            self._spawn("load-share", self.share.run)
         # With a snapshot, subscribers start once it is restored (their sockets queue meanwhile).
         self._start_subscribers(run=snap is None)
         if snap is not None:
@@ -219,6 +232,9 @@ class ControllerApp:
             self._config_stamp = _stamp(self.config_path)
             if self.reload_poll_s > 0:
                 self._spawn("config-watch", self._watch_config)
+        # What start-up built lives as long as the controller: out of the cyclic GC's reach, so
+        # full collections (which stop the loop) walk only what came after (see bench/soak.py).
+        gc.freeze()
         log.info(
             "controller started route=%s instances=%d policy=%s pd_mode=%s global_store=%s lmcache=%s",
             self.service.endpoint, len(self._ids), self.cfg.policy.name, self.cfg.pd_mode,
@@ -253,6 +269,8 @@ class ControllerApp:
         if self.cfg.snapshot.path and self._started and not self.core.catching_up:
             await self.write_snapshot()
         closers: list[Callable[[], Awaitable[Any]]] = [self.service.close]
+        if self.share is not None:
+            closers.append(self.share.close)
         if self.poller is not None:
             closers.append(self.poller.close)
         closers += [s.close for s in self.subscribers.values()]
@@ -272,6 +290,7 @@ class ControllerApp:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         self.ctx.destroy(linger=0)
+        gc.unfreeze()  # a process that starts controllers again (tests) must not keep every old one
         log.info("controller stopped")
 
     def _spawn(self, name: str, run: Callable[[], Awaitable[Any]]) -> None:

@@ -77,6 +77,9 @@ class WorkerInfo:
 _SYNCING, _COMPLETED, _FAILED = "syncing", "completed", "failed"
 #: Messages handled per socket before yielding to the other tasks on the loop.
 YIELD_EVERY = 64
+#: ... or after this many bytes or seconds of messages since the last yield.
+YIELD_BYTES = 1 << 20
+YIELD_S = 0.002
 #: Missing full-sync batches reported per status reply (the worker resends them and asks again).
 MISSING_WINDOW = 4096
 _FULL = "controller knows too many LMCache workers (limits.lmcache_max_workers)"
@@ -263,13 +266,15 @@ class LMCacheWorkerServer:
     async def _receive(self, name: str, label: str) -> AsyncIterator[list[bytes]]:
         """Messages from socket ``name`` until the server closes; receive errors are logged and skipped."""
         sock = self._socks[name]
-        n = 0
+        n, nbytes, since = 0, 0, time.perf_counter()
         while True:
             n += 1
-            if n % YIELD_EVERY == 0:
+            if n % YIELD_EVERY == 0 or nbytes >= YIELD_BYTES or time.perf_counter() - since >= YIELD_S:
                 # A queued message is returned without a trip through the event loop: a backlog
-                # would otherwise hold the loop (and every other socket) until it is drained.
+                # would otherwise hold the loop (and every other socket) until it is drained. A
+                # count alone let 64 MB-sized messages through in one go.
                 await asyncio.sleep(0)
+                n, nbytes, since = 0, 0, time.perf_counter()
             try:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError as exc:
@@ -277,6 +282,7 @@ class LMCacheWorkerServer:
                     return
                 log.warning("%s receive failed: %s", label, exc)
                 continue
+            nbytes += sum(map(len, frames))
             yield frames
 
     async def _pull_loop(self) -> None:

@@ -27,7 +27,7 @@ import zmq.asyncio
 from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
 from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.curve import ZapAllowList, check_keypair
-from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
+from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
@@ -35,7 +35,6 @@ from smetric_lmc.wire import (
     DoneAck,
     DoneReport,
     ErrorReply,
-    HashChain,
     HealthReply,
     HealthRequest,
     InstanceInfo,
@@ -48,24 +47,25 @@ from smetric_lmc.wire import (
     StatsReply,
     StatsRequest,
     WireError,
-    decode_request,
     encode,
     is_json,
 )
 
+from .route_prep import (
+    FramePrep,
+    RouteInputs,
+    check_request_id,
+    decode_checked,
+    request_id_of,
+    route_inputs,
+)
+
 log = logging.getLogger(__name__)
 
-#: Request ids longer than this are refused: each routed id is kept in memory until its done.
-MAX_REQUEST_ID_CHARS = 512
 #: Envelope frames a peer may put before the delimiter (proxies add one per hop).
 MAX_ENVELOPE_FRAMES = 8
 #: Frames up to this many times the limit get a "too_large" reply; larger ones are cut by ZMQ.
 TRANSPORT_CAP_FACTOR = 4
-#: Token ids are vocabulary indices; the index stores them as u32.
-MAX_TOKEN_ID = (1 << 32) - 1
-MAX_HASH = (1 << 64) - 1
-#: One chain per hash scheme ("fast", the LMCache schemes, vLLM's).
-MAX_HASH_CHAINS = 4
 
 
 class RouteCore:
@@ -128,6 +128,11 @@ class RouteCore:
             "hash_mismatch": 0,
         }
         self.errors_by_code: dict[str, int] = {}
+        # Hooks for replicas sharing load (controller.replicas): called after a route assigned an
+        # instance, and for every done and prefilled report (known here or not).
+        self.on_routed: Callable[[str, str, int, RouteDecision], None] | None = None
+        self.on_done_report: Callable[[str], None] | None = None
+        self.on_prefilled_report: Callable[[str], None] | None = None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -168,21 +173,36 @@ class RouteCore:
         worth of objects a second time).
         """
         t0 = time.perf_counter()
-        as_json = is_json(payload)
-        request_id: str | None = None
         try:
-            try:
-                req = decode_request(payload)
-            except RecursionError:  # msgspec follows nesting with the interpreter's recursion limit
-                raise WireError("bad_request", "nesting too deep") from None
-            request_id = _request_id_of(req)
-            reply, routed = self._dispatch(req)
+            req = decode_checked(payload)
+        except WireError as exc:
+            return self._finish(self._error(exc.code, str(exc), None), None, is_json(payload), t0)
+        return self.answer(req, is_json(payload), t0=t0)
+
+    def answer(self, req: Any, as_json: bool, *, prepared: RouteInputs | None = None,
+               t0: float | None = None) -> bytes:
+        """Answer a decoded request; ``prepared`` carries a route's inputs computed off the loop."""
+        t0 = time.perf_counter() if t0 is None else t0
+        request_id = request_id_of(req)
+        try:
+            reply, routed = self._dispatch(req, prepared)
         except WireError as exc:
             reply, routed = self._error(exc.code, str(exc), request_id), None
         except Exception as exc:  # a bug must cost one reply, not the controller
             log.exception("route service: internal error")
             self.counters["internal_errors"] += 1
             reply, routed = self._error("internal", f"{type(exc).__name__}: {exc}", request_id), None
+        return self._finish(reply, routed, as_json, t0)
+
+    def refuse(self, code: str, message: str, request_id: str | None, as_json: bool, *, route: bool) -> bytes:
+        """The encoded refusal of a frame checked off the loop (counted as the loop counts it)."""
+        if route:
+            self.counters["route"] += 1
+        if code == "hash_mismatch":
+            self._count_mismatch(message)
+        return encode(self._error(code, message, request_id), json=as_json)
+
+    def _finish(self, reply: msgspec.Struct, routed: RouteDecision | None, as_json: bool, t0: float) -> bytes:
         try:
             out = encode(reply, json=as_json)
         except Exception as exc:  # e.g. a stats value no encoder knows
@@ -205,15 +225,18 @@ class RouteCore:
         log.debug("route service: error code=%s request_id=%s message=%s", code, request_id, message)
         return ErrorReply(code=code, message=message[:1000], request_id=request_id)
 
-    def _dispatch(self, req: Any) -> tuple[msgspec.Struct, RouteDecision | None]:
+    def _dispatch(self, req: Any, prepared: RouteInputs | None = None) -> tuple[msgspec.Struct, RouteDecision | None]:
         if isinstance(req, RouteRequest):
-            return self._route(req)
+            return self._route(req, prepared)
         if isinstance(req, DoneReport):
             return self._done(req), None
         if isinstance(req, PrefilledReport):
             self.counters["prefilled"] += 1
-            _check_request_id(req.request_id)
-            return PrefilledAck(request_id=req.request_id, applied=self.load.on_prefilled(req.request_id)), None
+            check_request_id(req.request_id)
+            applied = self.load.on_prefilled(req.request_id)
+            if self.on_prefilled_report is not None:
+                self.on_prefilled_report(req.request_id)
+            return PrefilledAck(request_id=req.request_id, applied=applied), None
         if isinstance(req, StatsRequest):
             self.counters["stats"] += 1
             return StatsReply(stats=self.stats()), None
@@ -226,11 +249,12 @@ class RouteCore:
         raise WireError("bad_request", f"unsupported message {type(req).__name__}")
 
     # ---- route / done ---------------------------------------------------------------------------
-    def _route(self, req: RouteRequest) -> tuple[msgspec.Struct, RouteDecision | None]:
+    def _route(self, req: RouteRequest, prepared: RouteInputs | None = None) -> tuple[msgspec.Struct, RouteDecision | None]:
         self.counters["route"] += 1
-        _check_request_id(req.request_id)
-        self._check_bounds(req)
-        blocks, chunks, n_tokens = self._hashes(req)
+        check_request_id(req.request_id)
+        if prepared is None:
+            prepared = self.route_inputs(req)
+        blocks, chunks, n_tokens = prepared
         prompt = req.prompt_tokens if req.prompt_tokens is not None else n_tokens
         ready = self.index_ready
         router = self.router if ready else self.fallback
@@ -249,98 +273,33 @@ class RouteCore:
             self.counters["no_instance"] += 1
         else:
             routed.endpoint = self.endpoint_of(routed.instance_id)
+            if self.on_routed is not None:
+                self.on_routed(req.request_id, routed.instance_id, prompt, routed)
         routed.index_ready = ready
         return routed, routed
 
-    def _check_bounds(self, req: RouteRequest) -> None:
-        """Refuse out-of-range fields before any work proportional to them (C-speed scans only)."""
-        lim = self.limits
-        cap = lim.max_prompt_tokens
-        for name, value, top in (
-            ("prompt_tokens", req.prompt_tokens, cap),
-            ("est_hit_tokens", req.est_hit_tokens, cap),
-            ("turn", req.turn, lim.max_turn),
-        ):
-            if value is not None and not 0 <= value <= top:
-                raise WireError("bad_request", f"{name} must be within [0, {top}], got {value}")
-        toks = req.token_ids
-        if toks is not None and toks:
-            if len(toks) > cap:
-                raise WireError("too_large", f"{len(toks)} token_ids exceed limits.max_prompt_tokens={cap}")
-            if min(toks) < 0 or max(toks) > MAX_TOKEN_ID:
-                raise WireError("bad_request", f"token_ids must be within [0, {MAX_TOKEN_ID}]")
-        if len(req.hashes) > MAX_HASH_CHAINS:
-            raise WireError("bad_request", f"at most {MAX_HASH_CHAINS} hash chains")
-        for hc in req.hashes:
-            if not 0 < hc.block_size <= cap:
-                raise WireError("bad_request", f"hash chain block_size must be within [1, {cap}]")
-            if len(hc.hashes) > cap // hc.block_size + 1:
-                raise WireError(
-                    "too_large", f"{len(hc.hashes)} hashes of {hc.block_size} tokens exceed "
-                    f"limits.max_prompt_tokens={cap}"
-                )
-            if hc.hashes and (min(hc.hashes) < 0 or max(hc.hashes) > MAX_HASH):
-                raise WireError("bad_request", "hashes must be within [0, 2^64-1]")
+    def fast_root_for(self, model: str) -> int:
+        """The chain root a route for ``model`` hashes token ids under (a LoRA adapter's or the base)."""
+        return self.index.root_for(model, self.hashing.fast_root)
 
-    def _hashes(self, req: RouteRequest) -> tuple[list[int], list[int] | None, int]:
-        """The request's fast block chain and LMCache chunk chain, and its token count."""
-        hs = self.hashing
-        fast: list[int] | None = None
-        chunks: list[int] | None = None
-        for hc in req.hashes:
-            if hc.scheme in ("fast", hs.lmcache_scheme):
-                self._check_root(hc, hs.fast_root if hc.scheme == "fast" else hs.lmcache_root)
-            if hc.scheme == "fast":
-                if hc.block_size != hs.block_size:
-                    raise WireError(
-                        "bad_request", f"fast chain block_size {hc.block_size}; this index uses {hs.block_size}"
-                    )
-                fast = hc.hashes
-            elif hc.scheme == hs.lmcache_scheme:
-                if hc.block_size != hs.chunk_size:
-                    raise WireError(
-                        "bad_request", f"{hc.scheme} chunk size {hc.block_size}; this index uses {hs.chunk_size}"
-                    )
-                chunks = hc.hashes
-            else:
-                raise WireError(
-                    "bad_request",
-                    f"hash scheme {hc.scheme!r} is not indexed here; send 'fast' at block size "
-                    f"{hs.block_size}, {hs.lmcache_scheme!r} at {hs.chunk_size}, or token_ids",
-                )
-        toks = req.token_ids
-        if fast is None and chunks is None and toks is None:
-            raise WireError("bad_request", "route needs token_ids or hashes")
+    def route_inputs(self, req: RouteRequest) -> RouteInputs:
         try:
-            if fast is None and toks is not None:
-                # A route naming a LoRA adapter the engines reported hashes in that adapter's chain.
-                fast = fast_chain(toks, hs.block_size, root=self.index.root_for(req.model, hs.fast_root))
-            if chunks is None and toks is not None and hs.want_chunks:
-                chunks = lmcache_chunk_chain(toks, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise WireError("bad_request", str(exc)) from None
-        fast = fast or []
-        if toks is not None:
-            n_tokens = len(toks)
-        else:
-            n_tokens = max(len(fast) * hs.block_size, len(chunks or ()) * hs.chunk_size)
-        return fast, (chunks if hs.want_chunks else None), n_tokens
+            return route_inputs(req, self.hashing, self.limits, self.fast_root_for(req.model))
+        except WireError as exc:
+            if exc.code == "hash_mismatch":
+                self._count_mismatch(str(exc))
+            raise
 
-    def _check_root(self, hc: HashChain, root: int) -> None:
-        if hc.root is None or hc.root == root:
-            return
-        # Hashes from another root match nothing here: routing on them would silently read every
-        # hit as zero. Refuse loudly (the error code is counted per code in the metrics).
+    def _count_mismatch(self, message: str) -> None:
         self.counters["hash_mismatch"] += 1
-        log.warning("route refused: %s chain hashed from root %d; this index uses %d (the sender must adopt "
-                    "stats()['hashing'])", hc.scheme, hc.root, root)
-        raise WireError("hash_mismatch", f"{hc.scheme} chain root {hc.root} differs from this index's {root}; "
-                        "adopt the controller's stats()['hashing']")
+        log.warning("route refused: %s (the sender must adopt stats()['hashing'])", message)
 
     def _done(self, req: DoneReport) -> DoneAck:
         self.counters["done"] += 1
-        _check_request_id(req.request_id)
+        check_request_id(req.request_id)
         released = self.load.on_done(req.request_id)
+        if self.on_done_report is not None:
+            self.on_done_report(req.request_id)
         if req.error is not None and req.instance_id is not None and self._on_engine_error is not None:
             self._on_engine_error(req.instance_id, req.error)
         if self.metrics is not None:
@@ -393,16 +352,6 @@ class RouteCore:
         if self._stats_fn is not None:
             out.update(self._stats_fn())
         return out
-
-
-def _check_request_id(request_id: str) -> None:
-    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise WireError("bad_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
-
-
-def _request_id_of(req: Any) -> str | None:
-    rid = getattr(req, "request_id", None)
-    return rid[:MAX_REQUEST_ID_CHARS] if isinstance(rid, str) else None
 
 
 def _gpu_block_counts(index: TierIndex, ids: set[str]) -> dict[str, int]:
@@ -461,7 +410,10 @@ class RouteService:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self.endpoint: str | None = None
-        self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0}
+        self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0,
+                                         "offloaded": 0, "large_on_loop": 0}
+        self._prep = FramePrep(core.hashing, core.limits)
+        self._offloaded: set[asyncio.Future[None]] = set()
 
     def bind(self) -> str:
         """Bind the ROUTER (``tcp://127.0.0.1:*`` picks a free port); returns the bound endpoint.
@@ -511,6 +463,18 @@ class RouteService:
             self._own_ctx.destroy(linger=0)
             self._own_ctx = None
 
+    #: Requests answered per wake-up before yielding to the other tasks on the loop ...
+    DRAIN_MAX = 64
+    #: ... or payload bytes, or seconds, whichever comes first: a count alone let 64 multi-MB
+    #: requests hold the loop for a quarter of a second.
+    DRAIN_BYTES = 1 << 20
+    DRAIN_S = 0.002
+    #: Frames larger than this are decoded, checked and hashed in the worker process (FramePrep):
+    #: their cost is linear in their size (a 2 M-token route: ~180 ms of CPU).
+    OFFLOAD_BYTES = 256 << 10
+    #: Large frames in the worker at once; the service stops reading while this many are pending.
+    MAX_OFFLOADED = 4
+
     async def run(self) -> None:
         """Serve until ``close()``."""
         if self._sock is None:
@@ -522,6 +486,7 @@ class RouteService:
         # ROUTER sends never block (a reply to a vanished peer is dropped by ZMQ).
         sync = zmq.Socket.shadow(sock.underlying)
         self._task = asyncio.current_task()
+        self._prep.start()
         while not self._closing:
             try:
                 frames = await sock.recv_multipart()
@@ -534,26 +499,65 @@ class RouteService:
                     return
                 log.warning("route service: receive failed error=%s", exc)
                 continue
-            answered = 0
+            answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
             while True:
-                self._reply(sync, frames)
+                nbytes += self._serve(sync, frames)
                 answered += 1
-                if answered % self.DRAIN_MAX == 0:
+                if answered >= self.DRAIN_MAX or nbytes >= self.DRAIN_BYTES or time.perf_counter() >= until:
                     await asyncio.sleep(0)  # a flood must not starve event ingest on the same loop
                     if self._closing:
                         return
+                    answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
+                while len(self._offloaded) >= self.MAX_OFFLOADED:
+                    await asyncio.wait(self._offloaded, return_when=asyncio.FIRST_COMPLETED)
                 try:
                     frames = sync.recv_multipart(zmq.NOBLOCK)
                 except zmq.ZMQError:  # zmq.Again: drained
                     break
 
-    #: Requests answered per wake-up before yielding to the other tasks on the loop.
-    DRAIN_MAX = 64
+    def _serve(self, sync: zmq.Socket, frames: list[bytes]) -> int:
+        """Answer one message (or hand it to the worker); returns the bytes handled here."""
+        self.counters["frames"] += 1
+        prefix, payload, reply = self._check_framing(frames)
+        if reply is None and payload is not None:
+            if len(payload) > self.OFFLOAD_BYTES:
+                if self._prep.unavailable is None:
+                    self.counters["offloaded"] += 1
+                    task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
+                    self._offloaded.add(task)
+                    task.add_done_callback(self._offloaded.discard)
+                    return 0
+                self.counters["large_on_loop"] += 1  # no worker here (logged once by FramePrep)
+            reply = [*prefix, self.core.handle(payload)]
+        if reply is not None:
+            self._send(sync, reply)
+        return len(frames[-1])
 
-    def _reply(self, sync: zmq.Socket, frames: list[bytes]) -> None:
-        reply = self._answer(frames)
-        if reply is None:
-            return
+    async def _answer_offloaded(self, sync: zmq.Socket, prefix: list[bytes], payload: bytes) -> None:
+        as_json = is_json(payload)
+        core = self.core
+        t0 = time.perf_counter()
+        try:
+            out = await self._prep.submit(payload, core.hashing.fast_root)
+            if out[0] == "route" and out[1].token_ids is not None:
+                root = core.fast_root_for(out[1].model)
+                if root != core.hashing.fast_root:  # a LoRA adapter's chain: hash again under its root
+                    out = await self._prep.submit(payload, root)
+        except Exception as exc:  # the worker died (BrokenProcessPool) or could not take the frame
+            log.error("route service: frame worker failed error=%s", exc)
+            core.counters["internal_errors"] += 1
+            reply = core.error_frame("internal", f"frame worker failed: {type(exc).__name__}", as_json=as_json)
+        else:
+            if out[0] == "error":
+                reply = core.refuse(out[1], out[2], out[3], as_json, route=out[4])
+            elif out[0] == "route":
+                reply = core.answer(out[1], as_json, prepared=(out[2], out[3], out[4]), t0=t0)
+            else:
+                reply = core.answer(out[1], as_json, t0=t0)
+        if not self._closing:
+            self._send(sync, [*prefix, reply])
+
+    def _send(self, sync: zmq.Socket, reply: list[bytes]) -> None:
         # Counted before sending: a peer reading the counters after its reply sees it included.
         self.counters["replies"] += 1
         try:
@@ -563,25 +567,29 @@ class RouteService:
             self.counters["send_errors"] += 1
             log.debug("route service: send failed error=%s", exc)
 
-    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
-        self.counters["frames"] += 1
+    def _check_framing(self, frames: list[bytes]) -> tuple[list[bytes], bytes | None, list[bytes] | None]:
+        """``(prefix, payload, reply)``: a reply when framing or size refuse the message outright."""
         prefix, payload = split_envelope(frames)
         if not prefix:
             self.counters["bad_frames"] += 1
-            return None
+            return prefix, None, None
         if payload is None:
             self.counters["bad_frames"] += 1
             msg = "expected [identity, (envelope..., ''), payload]: one payload frame"
-            return [*prefix, self.core.error_frame("bad_request", msg)]
+            return prefix, None, [*prefix, self.core.error_frame("bad_request", msg)]
         if len(payload) > self.max_frame_bytes:
             self.counters["too_large"] += 1
             msg = f"frame of {len(payload)} bytes exceeds {self.max_frame_bytes}"
-            return [*prefix, self.core.error_frame("too_large", msg, as_json=is_json(payload))]
-        return [*prefix, self.core.handle(payload)]
+            return prefix, None, [*prefix, self.core.error_frame("too_large", msg, as_json=is_json(payload))]
+        return prefix, payload, None
 
     async def close(self) -> None:
         self._closing = True
         await cancel_and_wait(self._task)
+        for task in list(self._offloaded):
+            task.cancel()
+        await asyncio.gather(*self._offloaded, return_exceptions=True)
+        self._prep.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -148,6 +148,14 @@ class SnapshotConfig(_Cfg):
             raise ValueError("interval_s must be > 0")
 
 
+class ReplicasConfig(_Cfg):
+    """Controller replicas sharing in-flight load (see controller/replicas.py)."""
+
+    id: str = ""  # this replica's name, unique among its peers ("" = host:pid)
+    pub_url: str = ""  # where this replica publishes its routed/done/prefilled counts ("" = no sharing)
+    peers: list[str] = []  # the other replicas' pub_url
+
+
 class LimitsConfig(_Cfg):
     """Bounds on what a peer may send; anything above is refused with a reason and counted."""
 
@@ -182,6 +190,7 @@ class Config(_Cfg):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    replicas: ReplicasConfig = msgspec.field(default_factory=ReplicasConfig)
     snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,116 @@
+"""Route load for ``bench/soak.py``: an open-loop client process at a fixed rate, and a calibration.
+
+The client sends route requests on a schedule (``rate`` per second, not waiting for replies, so a
+slow controller shows up as latency rather than as a lower offered rate) over one DEALER with a
+correlation frame per request, and records each route's latency from send to reply. With
+``done`` it reports every routed request done right after its reply (the done replies are read
+and not timed). Prompts are 256 distinct tokens per request, from a rotating window so that some
+prompts share prefixes with earlier ones.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+_enc = msgspec.msgpack.encode
+_dec = msgspec.msgpack.decode
+
+
+def _route_frame(k: int) -> bytes:
+    start = (k * 16) % 100_000
+    return _enc({"type": "route", "request_id": f"s{k}", "token_ids": list(range(start, start + 256)), "turn": 0})
+
+
+def _pct(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
+
+
+def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Connection) -> None:
+    """Open-loop route load; sends its summary dict through ``conn``."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    sent = answered = errors = 0
+    pending: dict[bytes, float] = {}
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    end = t0 + seconds
+
+    def read(timeout_ms: int) -> None:
+        nonlocal answered, errors
+        if not sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                corr, _, payload = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if corr[:1] != b"r":
+                continue  # a done's ack
+            t_sent = pending.pop(corr, None)
+            if t_sent is None:
+                continue
+            now = time.perf_counter()
+            lat.append(now - t_sent)
+            reply = _dec(payload)
+            if reply.get("type") != "decision":
+                errors += 1
+                continue
+            answered += 1
+            if done:
+                sock.send_multipart([b"d" + corr[1:], b"", _enc({"type": "done", "request_id": reply["request_id"]})])
+
+    while (now := time.perf_counter()) < end:
+        due = int((now - t0) * rate)
+        while sent < due:
+            corr = b"r" + sent.to_bytes(8, "big")
+            pending[corr] = time.perf_counter()
+            sock.send_multipart([corr, b"", _route_frame(sent)])
+            sent += 1
+        read(1)
+    drain_until = time.perf_counter() + 5.0
+    while pending and time.perf_counter() < drain_until:
+        read(50)
+    lat.sort()
+    conn.send({
+        "sent": sent, "answered": answered, "errors": errors, "unanswered": len(pending),
+        "routes_per_s": round(answered / seconds, 1),
+        "p50_ms": round(1000 * (_pct(lat, 0.5) or 0), 3), "p99_ms": round(1000 * (_pct(lat, 0.99) or 0), 3),
+        "p999_ms": round(1000 * (_pct(lat, 0.999) or 0), 3), "max_ms": round(1000 * (lat[-1] if lat else 0), 3),
+    })
+    ctx.destroy(linger=0)
+
+
+def calibrate(endpoint: str, seconds: float, window: int, conn: Connection) -> None:
+    """Closed-loop route+done with ``window`` routes outstanding: the controller's ceiling here."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    k = answered = 0
+    for _ in range(window):
+        sock.send_multipart([b"r", b"", _route_frame(k)])
+        k += 1
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if not sock.poll(1000):
+            continue
+        corr, _, payload = sock.recv_multipart()
+        if corr != b"r":
+            continue
+        reply: Any = _dec(payload)
+        if reply.get("type") == "decision":
+            answered += 1
+            sock.send_multipart([b"d", b"", _enc({"type": "done", "request_id": reply["request_id"]})])
+        sock.send_multipart([b"r", b"", _route_frame(k)])
+        k += 1
+    conn.send(answered / seconds)
+    ctx.destroy(linger=0)

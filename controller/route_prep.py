@@ -1,0 +1,230 @@
+"""A route request's checked inputs, computed in the event loop or, for large frames, in a worker process.
+
+Decoding, bounds-checking and hashing a route request costs time linear in its size: a 2 M-token
+prompt (an 8 MB frame, within the limits) takes ~180 ms here, and a controller answering it on
+its event loop freezes every other client and all event ingest for that long. These functions
+are pure (no controller state), so :class:`FramePrep` can run them in a separate process for any
+frame larger than ``offload_bytes``; the loop then only routes on the ready hash chains.
+
+The worker returns one of:
+
+- ``("error", code, message, request_id, is_route)``: the frame is refused (decoded once, in the
+  worker);
+- ``("route", slim_request, fast, chunks, n_tokens)``: ``slim_request`` is the request without its
+  token ids and hash lists (they are not shipped back), ``fast``/``chunks`` its chains;
+- ``("request", request)``: any other message, small once decoded, answered on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import msgspec
+
+from smetric_lmc.config import LimitsConfig
+from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
+from smetric_lmc.wire import HashChain, RouteRequest, WireError, decode_request
+
+log = logging.getLogger(__name__)
+
+#: Request ids longer than this are refused: each routed id is kept in memory until its done.
+MAX_REQUEST_ID_CHARS = 512
+#: Token ids are vocabulary indices; the index stores them as u32.
+MAX_TOKEN_ID = (1 << 32) - 1
+MAX_HASH = (1 << 64) - 1
+#: One chain per hash scheme ("fast", the LMCache schemes, vLLM's).
+MAX_HASH_CHAINS = 4
+
+RouteInputs = tuple[list[int], list[int] | None, int]
+
+
+def decode_checked(payload: bytes) -> Any:
+    """``decode_request`` with nesting deeper than the interpreter allows reported as a WireError."""
+    try:
+        return decode_request(payload)
+    except RecursionError:  # msgspec follows nesting with the interpreter's recursion limit
+        raise WireError("bad_request", "nesting too deep") from None
+
+
+def check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise WireError("bad_request", f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+
+
+def request_id_of(req: Any) -> str | None:
+    rid = getattr(req, "request_id", None)
+    return rid[:MAX_REQUEST_ID_CHARS] if isinstance(rid, str) else None
+
+
+def check_bounds(req: RouteRequest, lim: LimitsConfig) -> None:
+    """Refuse out-of-range fields before any work proportional to them (C-speed scans only)."""
+    cap = lim.max_prompt_tokens
+    for name, value, top in (
+        ("prompt_tokens", req.prompt_tokens, cap),
+        ("est_hit_tokens", req.est_hit_tokens, cap),
+        ("turn", req.turn, lim.max_turn),
+    ):
+        if value is not None and not 0 <= value <= top:
+            raise WireError("bad_request", f"{name} must be within [0, {top}], got {value}")
+    toks = req.token_ids
+    if toks is not None and toks:
+        if len(toks) > cap:
+            raise WireError("too_large", f"{len(toks)} token_ids exceed limits.max_prompt_tokens={cap}")
+        if min(toks) < 0 or max(toks) > MAX_TOKEN_ID:
+            raise WireError("bad_request", f"token_ids must be within [0, {MAX_TOKEN_ID}]")
+    if len(req.hashes) > MAX_HASH_CHAINS:
+        raise WireError("bad_request", f"at most {MAX_HASH_CHAINS} hash chains")
+    for hc in req.hashes:
+        if not 0 < hc.block_size <= cap:
+            raise WireError("bad_request", f"hash chain block_size must be within [1, {cap}]")
+        if len(hc.hashes) > cap // hc.block_size + 1:
+            raise WireError(
+                "too_large", f"{len(hc.hashes)} hashes of {hc.block_size} tokens exceed "
+                f"limits.max_prompt_tokens={cap}"
+            )
+        if hc.hashes and (min(hc.hashes) < 0 or max(hc.hashes) > MAX_HASH):
+            raise WireError("bad_request", "hashes must be within [0, 2^64-1]")
+
+
+def _check_root(hc: HashChain, root: int) -> None:
+    if hc.root is not None and hc.root != root:
+        # Hashes from another root match nothing here: routing on them would silently read every
+        # hit as zero. Refuse loudly (the caller counts and logs the code).
+        raise WireError("hash_mismatch", f"{hc.scheme} chain root {hc.root} differs from this index's {root}; "
+                        "adopt the controller's stats()['hashing']")
+
+
+def route_inputs(req: RouteRequest, hs: HashSettings, lim: LimitsConfig, fast_root: int) -> RouteInputs:
+    """The request's fast block chain (rooted at ``fast_root``: the base or a LoRA adapter's root),
+    its LMCache chunk chain, and its token count; WireError for anything out of bounds."""
+    check_bounds(req, lim)
+    fast: list[int] | None = None
+    chunks: list[int] | None = None
+    for hc in req.hashes:
+        if hc.scheme == "fast":
+            _check_root(hc, hs.fast_root)
+            if hc.block_size != hs.block_size:
+                raise WireError(
+                    "bad_request", f"fast chain block_size {hc.block_size}; this index uses {hs.block_size}"
+                )
+            fast = hc.hashes
+        elif hc.scheme == hs.lmcache_scheme:
+            _check_root(hc, hs.lmcache_root)
+            if hc.block_size != hs.chunk_size:
+                raise WireError(
+                    "bad_request", f"{hc.scheme} chunk size {hc.block_size}; this index uses {hs.chunk_size}"
+                )
+            chunks = hc.hashes
+        else:
+            raise WireError(
+                "bad_request",
+                f"hash scheme {hc.scheme!r} is not indexed here; send 'fast' at block size "
+                f"{hs.block_size}, {hs.lmcache_scheme!r} at {hs.chunk_size}, or token_ids",
+            )
+    toks = req.token_ids
+    if fast is None and chunks is None and toks is None:
+        raise WireError("bad_request", "route needs token_ids or hashes")
+    try:
+        if fast is None and toks is not None:
+            fast = fast_chain(toks, hs.block_size, root=fast_root)
+        if chunks is None and toks is not None and hs.want_chunks:
+            chunks = lmcache_chunk_chain(toks, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise WireError("bad_request", str(exc)) from None
+    fast = fast or []
+    if toks is not None:
+        n_tokens = len(toks)
+    else:
+        n_tokens = max(len(fast) * hs.block_size, len(chunks or ()) * hs.chunk_size)
+    return fast, (chunks if hs.want_chunks else None), n_tokens
+
+
+def prepare_frame(payload: bytes, hs: HashSettings, lim: LimitsConfig, fast_root: int) -> tuple[Any, ...]:
+    """Decode, check and hash one frame (runs in the worker process; see the module docstring)."""
+    try:
+        req = decode_checked(payload)
+    except WireError as exc:
+        return ("error", exc.code, str(exc), None, False)
+    if not isinstance(req, RouteRequest):
+        return ("request", req)
+    rid = request_id_of(req)
+    try:
+        check_request_id(req.request_id)
+        fast, chunks, n = route_inputs(req, hs, lim, fast_root)
+    except WireError as exc:
+        return ("error", exc.code, str(exc), rid, True)
+    slim = msgspec.structs.replace(req, token_ids=None if req.token_ids is None else [], hashes=[])
+    return ("route", slim, fast, chunks, n)
+
+
+def _ready() -> bool:
+    return True
+
+
+def _die_with_parent() -> None:
+    """Worker initializer: a controller killed with SIGKILL cannot stop its worker, so the kernel
+    does (Linux ``PR_SET_PDEATHSIG``); elsewhere the worker exits when its pipes close."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class FramePrep:
+    """One worker process (spawned, so no ZMQ context is inherited) that prepares large frames.
+
+    ``submit`` returns a future; a worker that died is replaced on the next submit and the frame
+    it held is answered ``internal`` by the caller (``BrokenProcessPool``)."""
+
+    def __init__(self, hs: HashSettings, limits: LimitsConfig) -> None:
+        self.hs = hs
+        self.limits = limits
+        self._pool: ProcessPoolExecutor | None = None
+        self.restarts = 0
+        self.unavailable: str | None = None  # why no worker can run here (large frames stay on the loop)
+
+    def start(self) -> bool:
+        """Spawn the worker now (it takes ~0.5 s), so the first large frame does not wait for it.
+
+        False when this process may not have children (a daemonic multiprocessing process): the
+        caller then answers large frames on the loop, and says so once in the log."""
+        if self._pool is None and self.unavailable is None:
+            try:
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                                 initializer=_die_with_parent)
+                self._pool.submit(_ready)
+            except (AssertionError, OSError) as exc:  # multiprocessing asserts a daemon has no children
+                self._pool = None
+                self.unavailable = f"{type(exc).__name__}: {exc}"
+                log.error("route service: no frame worker (%s); large frames are prepared on the event loop",
+                          self.unavailable)
+        return self._pool is not None
+
+    def submit(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[Any, ...]]:
+        if not self.start():
+            raise RuntimeError(f"no frame worker: {self.unavailable}")
+        assert self._pool is not None
+        try:
+            fut: Future[tuple[Any, ...]] = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
+        except BrokenProcessPool:
+            log.error("route service: frame worker died; starting a new one")
+            self.restarts += 1
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            self.start()
+            assert self._pool is not None
+            fut = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
+        return asyncio.wrap_future(fut)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
