@@ -39,7 +39,8 @@ def _growth(mode: str) -> float:
 
 @pytest.mark.skipif(memory._libc() is None, reason="glibc only")
 def test_pinned_mmap_threshold_returns_freed_buffers() -> None:
+    # Whether an untuned heap keeps the freed MBs depends on the allocator's dynamic threshold
+    # state (seen: 200+ MB kept in one environment, 0.2 MB in another); tuned, none may be kept.
     untuned, tuned = _growth("plain"), _growth("tuned")
-    assert untuned > 200, untuned  # the problem this guards against: the heap keeps the freed MBs
-    assert tuned < 20, tuned
+    assert tuned < 20, (tuned, untuned)
 
