@@ -1,0 +1,67 @@
+"""``smetric_ect``: route each request to the instance where it is expected to finish soonest, all
+costs included (our variant; ``smetric`` stays the paper's rule, ``smetric_cost`` is the earlier
+fetch-vs-queue variant).
+
+What the decision traces showed about the earlier variants (docs/results.md): both price the queue
+by request count alone and a miss by tokens alone, so neither can tell a holder with a long prefill
+queue from one with many short decodes, and neither knows how cheap a fetch is next to a recompute.
+On the default profile a fetched token costs ~4 µs (98 KiB over a 25 GB/s NIC) and a recomputed one
+110-1,200 µs (attention over the context): with the prefix in the global tier, stickiness buys almost
+nothing and balance is everything; without it, a move costs the whole context.
+
+The expected completion cost of the request on instance i, in seconds:
+
+    cost[i] = t_tok * (unprefilled[i] + L - max(c[i], g))   prefill queued ahead + own compute
+            + t_fetch * max(0, g - c[i])                     fetching what the global tier holds
+            + t_flight * load[i]                             decode drag of the in-flight requests
+    t_tok   = prefill_us + prefill_us_per_ktok * L / 1000    (attention makes long contexts dearer)
+
+It reduces to load balancing when fetches are cheap (every instance computes the same tokens) and
+to cache affinity when they are not (a move costs the context). A session's first request is priced
+the same way: a shared system prompt it would find locally counts as a hit. The constants are policy
+parameters (YAML), their defaults read off the `qwen3-30b-a3b-h20` profile; docs/results.md says how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smetric_lmc.policy.registry import register
+from smetric_lmc.policy.view import NO_INSTANCE, Choice, ClusterView, rr_argmin
+from smetric_lmc.wire import Reason
+
+
+@dataclass(frozen=True, slots=True)
+class ECTParams:
+    prefill_us: float = 110.0  # µs per prefilled token at an empty context
+    prefill_us_per_ktok: float = 8.8  # + µs per token per 1,000 tokens of the request's context
+    fetch_us: float = 4.0  # µs per token fetched from the global tier
+    inflight_us: float = 800_000.0  # µs of completion cost one in-flight request adds (decode drag)
+    hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
+
+
+def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
+    """cost[i] in µs: the request's expected completion cost on instance i."""
+    L, g = view.prompt_tokens, view.global_hit
+    t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
+    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)  # a view built by hand
+    return [
+        t_tok * (q + L - max(ci, g)) + p.fetch_us * max(0, g - ci) + p.inflight_us * li
+        for ci, li, q in zip(view.local_hit, view.load, queued)
+    ]
+
+
+@register("smetric_ect", needs={"unprefilled"}, params=lambda cfg: {"p": ECTParams(
+    cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio)})
+def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
+    n = len(view.instances)
+    if n == 0:
+        return NO_INSTANCE
+    k = rr_argmin(ect_scores(view, p), view.rr)
+    if view.turn == 0:
+        return Choice(k, Reason.FIRST_TURN)
+    c = view.local_hit
+    best = max(c)
+    if c[k] == best:
+        return Choice(k, Reason.STICKY)
+    return Choice(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)
