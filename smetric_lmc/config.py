@@ -38,11 +38,11 @@ class PolicyConfig(_Cfg):
     # that fetching it from the global tier saves
     cost_fetch_discount: float = 0.9
     # smetric_ect (expected completion cost, µs): prefill per token = ect_prefill_us + ect_prefill_us_per_ktok
-    # x context/1000; a fetched token; one in-flight request's decode drag
+    # x context/1000; a fetched token; one in-flight request's drag (smetric_ect.py says where they come from)
     ect_prefill_us: float = 110.0
     ect_prefill_us_per_ktok: float = 8.8
     ect_fetch_us: float = 4.0
-    ect_inflight_us: float = 800_000.0
+    ect_inflight_us: float = 5_000_000.0
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import

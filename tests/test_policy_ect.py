@@ -26,48 +26,50 @@ def test_cost_formula_by_hand() -> None:
     # t_tok = 100 + 50 * 2000 / 1000 = 200 µs
     v = view([1500, 0], [2, 0], [100.0, 300.0], L=2000, g=1000)
     assert ect_scores(v, p) == pytest.approx([
-        200 * (100 + 2000 - 1500) + 2 * 0 + 1000 * 2,  # holder: its queue + 500 tokens, nothing to fetch
-        200 * (300 + 2000 - 1000) + 2 * 1000 + 0,  # fetches 1,000, computes 1,000 behind a 300-token queue
+        200 * 100 + (200 * 500 + 2 * 0) * (1 + 2) + 1000 * 2,  # holder: its queue; 500 tokens stall a batch of 3
+        200 * 300 + (200 * 1000 + 2 * 1000) * (1 + 0) + 0,  # fetches 1,000 and computes 1,000 on an idle GPU
     ])  # fmt: skip
 
 
 def test_without_a_global_tier_the_holder_keeps_its_session_despite_load() -> None:
-    # 100*200 + 1000*3 = 23,000 vs 100*1000 + 1000 = 101,000 and 100,000: moving costs the context
+    # 100*200*4 + 1000*3 = 83,000 vs 100*1000*2 + 1000 = 201,000 and 100,000: moving costs the context
     d = smetric_ect(view([800, 0, 0], [3, 1, 0]), P)
     assert (d.index, d.reason) == (0, Reason.STICKY)
 
 
 def test_with_the_prefix_in_the_global_tier_it_balances() -> None:
-    # g = 800: 23,000 vs 20,000 + 800 + 1,000 vs 20,000 + 800 + 0 -> the idle instance
+    # g = 800: 83,000 vs (20,000 + 800)*2 + 1,000 vs 20,800 -> the idle instance
     d = smetric_ect(view([800, 0, 0], [3, 1, 0], g=800), P)
     assert (d.index, d.reason) == (2, Reason.OVERLOADED)
 
 
 def test_an_expensive_fetch_keeps_affinity() -> None:
     slow = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=100.0, inflight_us=1000.0)
-    # fetching at compute speed: 23,000 vs 20,000 + 80,000 + 0 -> stay
+    # fetching at compute speed: 83,000 vs 201,000 and 100,000 -> stay
     assert smetric_ect(view([800, 0, 0], [3, 1, 0], g=800), slow).index == 0
 
 
 def test_a_long_prefill_queue_on_the_holder_moves_the_session() -> None:
-    # holder: 100 * (1500 + 200) + 1000 = 171,000; others 101,000 (tie, round-robin from 0 -> b)
-    d = smetric_ect(view([800, 0, 0], [1, 1, 1], [1500.0, 0.0, 0.0]), P)
+    # holder: 100*2000 + 100*200*2 + 1000 = 241,000; others 100*1000*2 + 1000 = 201,000 (tie: round-robin)
+    d = smetric_ect(view([800, 0, 0], [1, 1, 1], [2000.0, 0.0, 0.0]), P)
     assert (d.index, d.reason) == (1, Reason.OVERLOADED)
-    assert smetric_ect(view([800, 0, 0], [1, 1, 1], [1500.0, 0.0, 0.0], rr=1), P).index == 2
+    assert smetric_ect(view([800, 0, 0], [1, 1, 1], [2000.0, 0.0, 0.0], rr=1), P).index == 2
+    # a shorter queue (1,500: 191,000) is not worth recomputing the context
+    assert smetric_ect(view([800, 0, 0], [1, 1, 1], [1500.0, 0.0, 0.0]), P).index == 0
 
 
 def test_first_turn_and_evicted_labels() -> None:
-    # first turn: a shared system prompt found locally on b counts as a hit (100*200+2000 < 100*1000)
+    # first turn: a shared system prompt found locally on b counts as a hit (100*200*3 + 2000 < 100*1000)
     d = smetric_ect(view([0, 800, 0], [0, 2, 0], turn=0), P)
     assert (d.index, d.reason) == (1, Reason.FIRST_TURN)
-    # follow-up whose KV is mostly gone (64 of 900 expected): 93,600 + 7,000 vs 102,000 and 100,000
-    d = smetric_ect(view([64, 0, 0], [7, 2, 0], est=900), P)
+    # follow-up whose KV is mostly gone (64 of 900 expected): 93,600*2 + 1,000 vs 302,000 and 100,000
+    d = smetric_ect(view([64, 0, 0], [1, 2, 0], est=900), P)
     assert (d.index, d.reason) == (2, Reason.EVICTED)
 
 
 def test_a_view_without_queues_prices_them_at_zero() -> None:
     v = ClusterView(IDS[:2], [800, 0], [3, 1], 1000, turn=1, est_hit=512)
-    assert ect_scores(v, P) == pytest.approx([100 * 200 + 3000, 100 * 1000 + 1000])
+    assert ect_scores(v, P) == pytest.approx([100 * 200 * 4 + 3000, 100 * 1000 * 2 + 1000])
 
 
 def test_registered_with_its_yaml_parameters() -> None:

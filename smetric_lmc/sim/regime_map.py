@@ -348,6 +348,21 @@ def heatmap_png(m: RegimeMap, path: Path) -> Path:
     return path
 
 
+def noise_line(m: RegimeMap) -> str:
+    """How big the seed-to-seed noise of a cell's ratio is, over every policy and cell."""
+    n = len(m.spec.seeds)
+    if n < 2:
+        return "With one seed the noise is not measured here (reruns moved single cells by 5-10%)."
+    sds = sorted(c.spread(p, m.spec.baselines) for c in m.cells for p in m.spec.policies)
+    sds = [v for v in sds if v == v]
+    med, top = sds[len(sds) // 2], sds[-1]
+    return (
+        f"Noise: the per-seed ratios' standard deviation is {med:.3f} at the median (policy, cell) and up to "
+        f"{top:.3f}; a cell's mean over {n} seeds is uncertain by about sd/√{n} ≈ {med / math.sqrt(n):.3f} "
+        f"(median), so differences under ~{2 * med / math.sqrt(n):.2f} in one cell are not resolved."
+    )
+
+
 def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     sp = m.spec
     md = [
@@ -356,6 +371,10 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
         f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
         f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
+        f"Every cell runs {len(sp.seeds)} arrival seed(s); within a seed all policies replay the same arrivals and "
+        "the same roots (common random numbers), so each ratio is a paired per-seed ratio to the baseline that is "
+        "best on average, and the table shows its mean ± its standard deviation over the seeds. "
+        + noise_line(m) + "\n",
         f"SMetric ÷ best baseline:\n\n{map_table(m, sp.ours)}",
     ]
     if sp.variant:
