@@ -77,7 +77,8 @@ def test_registered_with_its_yaml_parameters() -> None:
     cfg = parse_config({"policy": {"name": "smetric_ect", "ect_fetch_us": 100.0, "ect_prefill_us": 100.0,
                                    "ect_prefill_us_per_ktok": 0.0, "ect_inflight_us": 1000.0}})  # fmt: skip
     pol = make_policy(cfg.policy)
-    assert pol.needs == frozenset({"unprefilled"})  # the router fills the queues only for policies that ask
+    # the router fills queues and request counts only for policies that ask
+    assert pol.needs == frozenset({"unprefilled", "in_flight"})
     assert pol(view([800, 0, 0], [3, 1, 0], g=800)).index == 0  # the expensive fetch keeps affinity
     with pytest.raises(ValueError, match="ect_inflight_us"):
         PolicyConfig(name="smetric_ect", ect_inflight_us=-1.0)
@@ -85,3 +86,10 @@ def test_registered_with_its_yaml_parameters() -> None:
 
 def test_no_instances() -> None:
     assert smetric_ect(ClusterView((), [], [], 100)).index == -1
+
+
+def test_request_counts_come_from_in_flight_when_load_counts_tokens() -> None:
+    # under PD `load` is unprefilled tokens; the drag and the batch factor use the request counts
+    v = ClusterView(IDS[:2], [800, 0], [5000.0, 0.0], 1000, turn=1, est_hit=512, unprefilled=[5000.0, 0.0],
+                    in_flight=[1.0, 0.0])  # fmt: skip
+    assert ect_scores(v, P) == pytest.approx([100 * 5000 + 100 * 200 * 2 + 1000, 100 * 1000])

@@ -56,13 +56,15 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
     # a view built by hand may lack the queues
     queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
+    # request counts even under PD, where `load` counts unprefilled tokens
+    flight = view.in_flight if view.in_flight is not None else view.load
     return [
         t_tok * q + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
-        for ci, li, q in zip(view.local_hit, view.load, queued)
+        for ci, li, q in zip(view.local_hit, flight, queued)
     ]
 
 
-@register("smetric_ect", needs={"unprefilled"}, params=lambda cfg: {"p": ECTParams(
+@register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
     cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio)})
 def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
