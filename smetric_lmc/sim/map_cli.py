@@ -11,7 +11,7 @@ from smetric_lmc.sim.profile import load_profile
 from smetric_lmc.sim.regime_map import MapSpec, heatmap_png, map_markdown, run_map
 from smetric_lmc.sim.results_doc import VARIANT
 
-QUICK = dict(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=8, pool_roots=200, window_s=600.0, rate_factors=(1.0, 1.5),
+QUICK = dict(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0, rate_factors=(1.0, 1.5),
              pilots=2)  # fmt: skip
 
 
