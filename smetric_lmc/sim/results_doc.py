@@ -287,7 +287,7 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
             f" — the **quick** run: reduced sizes ({size.instances} instances, {size.window_s:g} s arrival windows, "
             f"{len(size.factors)} loads per knee, a {len(size.map.xs)} × {len(size.map.tiers)} map on "
             f"{size.map.instances} instances over {len(size.map.seeds)} arrival seeds; the five settings above the map "
-            "run one seed each). The full run is `smetric sim report --jobs 2` ({FULL.instances} "
+            f"run one seed each). The full run is `smetric sim report --jobs 2` ({FULL.instances} "
             f"instances, {FULL.window_s:g} s windows, {len(FULL.factors)} loads per knee, the "
             f"{len(FULL.map.xs)} × {len(FULL.map.tiers)} map on {FULL.map.instances} instances); its numbers "
             "replace these when it is run."
