@@ -37,6 +37,12 @@ class PolicyConfig(_Cfg):
     # smetric_cost (our variant; hit_ratio above labels its moves): share of a computed token's cost
     # that fetching it from the global tier saves
     cost_fetch_discount: float = 0.9
+    # smetric_ect (expected completion cost, µs): prefill per token = ect_prefill_us + ect_prefill_us_per_ktok
+    # x context/1000; a fetched token; one in-flight request's drag (smetric_ect.py says where they come from)
+    ect_prefill_us: float = 110.0
+    ect_prefill_us_per_ktok: float = 8.8
+    ect_fetch_us: float = 4.0
+    ect_inflight_us: float = 5_000_000.0
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -50,6 +56,9 @@ class PolicyConfig(_Cfg):
             raise ValueError("bailian_lambda must be within [0, 1]")
         if not 0 <= self.cost_fetch_discount <= 1:
             raise ValueError("cost_fetch_discount must be within [0, 1]")
+        for k in ("ect_prefill_us", "ect_prefill_us_per_ktok", "ect_fetch_us", "ect_inflight_us"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{k} must be >= 0")
 
 
 class InstanceConfig(_Cfg):

@@ -89,6 +89,7 @@ class Router:
             loads = self.load.loads(ids, self.disaggregated)
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
+        infl = [float(self.load.in_flight(i)) for i in ids] if "in_flight" in policy.needs else None
         view = ClusterView(
             instances=ids,
             local_hit=hits,
@@ -98,6 +99,7 @@ class Router:
             est_hit=est,
             global_hit=found.global_hit_tokens,
             unprefilled=unpre,
+            in_flight=infl,
             rr=self._rr,
         )
         self._rr += 1

@@ -13,11 +13,13 @@ import pytest
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.sim import cli
 from smetric_lmc.sim.batch import decision_breakdown
-from smetric_lmc.sim.cluster import simulate
+from smetric_lmc.sim.cluster import place_sessions, simulate
 from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.knee import Setting, knee_sweeps
+from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps
+from smetric_lmc.sim.metrics import SimResult
 from smetric_lmc.sim.profile import load_profile
 from smetric_lmc.sim.regime_map import (
+    Cell,
     MapSpec,
     build_workloads,
     grown_profile,
@@ -89,12 +91,48 @@ def test_knee_sweep_finds_a_loaded_peak_for_every_policy() -> None:
     )
 
 
+def _knee(scores: dict[str, float]) -> KneeResult:
+    empty = np.empty(0)
+    peaks = {p: SimResult(p, {"pd": False, "tps_slo": v}, empty, empty, empty) for p, v in scores.items()}
+    return KneeResult(1.0, peaks)
+
+
+def test_cell_ratio_is_the_mean_of_paired_seed_ratios() -> None:
+    # seed 0: a=100 b=200 c=180; seed 1: a=150 b=120 c=160 -> b averages 160, c 170: c is the best baseline
+    c = Cell(0.1, "none", 0.1, 1.0, 1000, [_knee({"a": 100, "b": 200, "c": 180}),
+                                           _knee({"a": 150, "b": 120, "c": 160})])  # fmt: skip
+    assert c.best_baseline(["b", "c"]) == ("c", pytest.approx(170))
+    assert c.seed_ratios("a", "c") == pytest.approx([100 / 180, 150 / 160])
+    assert c.ratio("a", ["b", "c"]) == pytest.approx((100 / 180 + 150 / 160) / 2)
+    # sample standard deviation of two values: |difference| / sqrt(2)
+    assert c.spread("a", ["b", "c"]) == pytest.approx(abs(100 / 180 - 150 / 160) / 2**0.5)
+    assert c.score("a") == pytest.approx(125)
+    one = Cell(0.1, "none", 0.1, 1.0, 1000, [_knee({"a": 100, "c": 180})])
+    assert one.spread("a", ["c"]) == 0.0 and one.ratio("a", ["c"]) == pytest.approx(100 / 180)
+
+
+def test_map_seeds_vary_the_arrivals_and_policies_share_them() -> None:
+    # common random numbers: the root arrivals depend on (workload, rate, seed) only, never on the policy
+    wl = preset_workload("trace1", 30, seed=0, scale=0.3)
+    a, b, c = (place_sessions(wl, 0.2, sd, None, "replace", 120.0) for sd in (5, 5, 6))
+    starts = [[(s.session_id, t, k) for s, t, k in p.roots] for p in (a, b, c)]
+    assert starts[0] == starts[1] and starts[0] != starts[2]
+    spec = MapSpec(xs=(0.3,), tiers=("full",), instances=2, pool_roots=30, window_s=120.0, rate_factors=(1.0,),
+                   pilots=1, baselines=("load_balance",), seeds=(0, 1))  # fmt: skip
+    (cell,) = run_map(spec, load_sim_config(), PROF).cells
+    k0, k1 = cell.knees
+    assert [k0.summary(p)["requests"] for p in ("smetric", "load_balance")] != [
+        k1.summary(p)["requests"] for p in ("smetric", "load_balance")
+    ]
+
+
 def test_map_tiny(tmp_path: Path) -> None:
     spec = MapSpec(xs=(0.05, 0.3), tiers=("none", "full"), instances=2, pool_roots=30, window_s=120.0,
-                   rate_factors=(1.0,), variant=VARIANT, pilots=1, baselines=("load_balance",))  # fmt: skip
+                   rate_factors=(1.0,), variant=VARIANT, pilots=1, baselines=("load_balance",), seeds=(0, 1))  # fmt: skip
     m = run_map(spec, load_sim_config(), PROF)
     assert len(m.cells) == 4 and all(
-        set(c.knee.peaks) == {"smetric", VARIANT, "load_balance"} for c in m.cells
+        len(c.knees) == 2 and all(set(k.peaks) == {"smetric", VARIANT, "load_balance"} for k in c.knees)
+        for c in m.cells
     )
     md = map_markdown(m, "map.png")
     assert (

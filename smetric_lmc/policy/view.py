@@ -23,6 +23,9 @@ class ClusterView:
     global_hit: int = 0  # contiguous hit in the global tier (tokens)
     # Queued prefill tokens per instance; filled only for policies that declare needs={"unprefilled"}.
     unprefilled: Sequence[float] | None = None
+    # In-flight requests per instance whatever ``load`` counts (under PD it counts unprefilled tokens);
+    # filled only for policies that declare needs={"in_flight"}.
+    in_flight: Sequence[float] | None = None
     rr: int = 0  # round-robin cursor for tie-breaking; the caller advances it per decision
 
 

@@ -8,6 +8,7 @@ and the requests per minute per instance, both over the measured (session-arriva
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -22,6 +23,8 @@ from smetric_lmc.sim.config import SimConfig
 from smetric_lmc.sim.metrics import SimResult
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.workload.model import Workload
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,29 @@ _WORKLOADS: Mapping[str, Workload] = {}
 def _init(workloads: Mapping[str, Workload]) -> None:
     global _WORKLOADS
     _WORKLOADS = workloads
+    # A run whose index state runs away (a cycle in the prefix tree, seen with smetric_ect) would take
+    # the machine's memory and the OOM killer the whole pool: cap each worker so it fails alone.
+    gb = float(os.environ.get("SMETRIC_SIM_WORKER_GB", "6"))
+    if gb > 0 and os.name == "posix":
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (int(gb * 1024**3), int(gb * 1024**3)))
 
 
 def run_task(task: Task, workloads: Mapping[str, Workload] | None = None) -> SimResult:
     """One simulation; the summary gains gpu_busy_share and req_per_min_per_instance when the engine lacks them."""
     wl = (workloads or _WORKLOADS)[task.workload]
     sim = Simulator(wl, task.cfg, task.policy, task.profile or load_profile(task.cfg.profile))
-    res = sim.run()
+    try:
+        res = sim.run()
+    except MemoryError:
+        del sim
+        log.error("run failed: out of memory (policy %s, workload %s, rate %g): scored 0 and marked failed",
+                  task.policy.name, task.workload, task.cfg.rate)  # fmt: skip
+        empty = np.empty(0)
+        summary = {"pd": task.cfg.pd, "tps_slo": 0.0, "prefill_tps_slo": 0.0, "failed": "MemoryError",
+                   "gpu_busy_share": 0.0, "hit_local": 0.0, "hit_global": 0.0, "hit_miss": 0.0, "by_reason": {}}  # fmt: skip
+        return SimResult(task.policy.name, summary, empty, empty, np.empty((0, 0)))
     s = res.summary
     n = task.cfg.instances
     w0, w1 = sim.first_root_start, sim.last_root_start

@@ -127,6 +127,8 @@ def knee_sweeps(
         for name, r in kr.peaks.items():
             if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:
                 kr.flags.append(f"{name}: best at the top rate")
+            if r.summary.get("failed"):
+                kr.flags.append(f"{name}: a run failed ({r.summary['failed']})")
             busy = float(r.summary.get("gpu_busy_share", 0.0))
             if busy < BUSY_FLAG:
                 kr.flags.append(f"{name}: peak at {busy:.0%} GPU busy")

@@ -50,7 +50,8 @@ class MapSpec:
     pool_roots: int = 600  # root sessions generated per x (drawn with replacement)
     window_s: float = 2400.0  # session-arrival window of a point (its measured period)
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
-    seed: int = 0
+    seed: int = 0  # the workload's seed
+    seeds: Sequence[int] = (0, 1, 2)  # arrival seeds (+ the config's): each cell runs once per seed, all policies alike
     pilots: int = 2  # pilot runs that move each cell's rate towards its knee
     variant_policy: PolicyConfig | None = None  # the variant's parameters (YAML); None: defaults
 
@@ -59,27 +60,64 @@ class MapSpec:
         return [self.ours, *([self.variant] if self.variant else []), *self.baselines]
 
 
+def _mean(v: list[float]) -> float:
+    v = [a for a in v if a == a]
+    return sum(v) / len(v) if v else float("nan")
+
+
+def _std(v: list[float]) -> float:
+    """Sample standard deviation (0 for fewer than two values)."""
+    v = [a for a in v if a == a]
+    if len(v) < 2:
+        return 0.0
+    m = sum(v) / len(v)
+    return math.sqrt(sum((a - m) ** 2 for a in v) / (len(v) - 1))
+
+
 @dataclass
 class Cell:
+    """One map point over several seeds. Within a seed every policy replays the same arrivals (common
+    random numbers), so a policy's per-seed ratio to a baseline is a paired comparison; across seeds
+    the arrivals and the roots drawn differ, and the spread of those ratios is the cell's noise."""
+
     x_target: float
     tier: str
     x: float  # measured: mean input tokens / KV tokens per instance
     scale: float  # context-length scale of the preset
     kv_tokens: int  # KV tokens per instance (the profile's, or grown below x0)
-    knee: KneeResult
+    knees: list[KneeResult]  # one per seed
+
+    @property
+    def knee(self) -> KneeResult:
+        """The first seed's (its peak rows stand for the cell in the per-cell tables)."""
+        return self.knees[0]
 
     @property
     def flags(self) -> list[str]:
-        return self.knee.flags
+        return sorted({f for k in self.knees for f in k.flags})
 
     def score(self, policy: str) -> float:
-        return self.knee.score(policy)
+        """Mean over seeds of the policy's best TPS within SLO."""
+        return _mean([k.score(policy) for k in self.knees])
 
     def best_baseline(self, baselines: Sequence[str]) -> tuple[str, float]:
-        return self.knee.best_of(baselines)
+        """The baseline best on average over the seeds."""
+        got = [(b, self.score(b)) for b in baselines if any(b in k.peaks for k in self.knees)]
+        return max(got, key=lambda kv: kv[1]) if got else ("", float("nan"))
+
+    def seed_ratios(self, policy: str, vs: str) -> list[float]:
+        """Per seed: the policy's score ÷ ``vs``'s (paired: same arrivals)."""
+        return [k.score(policy) / k.score(vs) for k in self.knees if k.score(vs) > 0]
 
     def ratio(self, policy: str, baselines: Sequence[str]) -> float:
-        return self.knee.ratio(policy, baselines)
+        """Mean over seeds of the policy's score ÷ the best-on-average baseline's."""
+        b, _ = self.best_baseline(baselines)
+        return _mean(self.seed_ratios(policy, b)) if b else float("nan")
+
+    def spread(self, policy: str, baselines: Sequence[str]) -> float:
+        """Standard deviation over seeds of that ratio (0 with one seed)."""
+        b, _ = self.best_baseline(baselines)
+        return _std(self.seed_ratios(policy, b)) if b else float("nan")
 
     def peak(self, policy: str) -> dict[str, Any]:
         return self.knee.summary(policy)
@@ -161,19 +199,22 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     kv = prof.kv_capacity_tokens()
     wls, per_x = build_workloads(spec, prof)
     settings = {
-        (x, t): Setting(_wkey(per_x[x][0], x), _cfg(base, spec, t, 1.0), per_x[x][1])
+        (x, t, sd): Setting(_wkey(per_x[x][0], x), msgspec.structs.replace(_cfg(base, spec, t, 1.0), seed=base.seed + sd), per_x[x][1])
         for x in spec.xs
         for t in spec.tiers
-    }
+        for sd in spec.seeds
+    }  # fmt: skip
     pols = [_policy(spec, p) for p in spec.policies]
     res = knee_sweeps(
         wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map"
     )
     cells = []
-    for (x, t), kr in res.items():
-        s, p = per_x[x]
-        kvx = p.kv_capacity_tokens()
-        cells.append(Cell(x, t, _mean_input(wls[settings[(x, t)].wkey]) / kvx, s, kvx, kr))
+    for x in spec.xs:
+        for t in spec.tiers:
+            s, p = per_x[x]
+            kvx = p.kv_capacity_tokens()
+            wl = wls[settings[(x, t, spec.seeds[0])].wkey]
+            cells.append(Cell(x, t, _mean_input(wl) / kvx, s, kvx, [res[(x, t, sd)] for sd in spec.seeds]))
     return RegimeMap(spec, kv, cells)
 
 
@@ -194,7 +235,8 @@ def map_table(m: RegimeMap, policy: str) -> str:
         for x in xs:
             c = m.cell(x, t)
             b, _ = c.best_baseline(m.spec.baselines)
-            row.append(f"{_r(c.ratio(policy, m.spec.baselines))} ({b})" + (" *" if c.flags else ""))
+            sd = f" ± {c.spread(policy, m.spec.baselines):.2f}" if len(c.knees) > 1 else ""
+            row.append(f"{_r(c.ratio(policy, m.spec.baselines))}{sd} ({b})" + (" *" if c.flags else ""))
         lines.append(f"| {t} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -218,11 +260,6 @@ def detail_table(m: RegimeMap) -> str:
                f"{s.get('gpu_busy_share', math.nan):.0%}", f"{s.get('req_per_min_per_instance', math.nan):.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _mean(v: list[float]) -> float:
-    v = [a for a in v if a == a]
-    return sum(v) / len(v) if v else float("nan")
 
 
 def regions(m: RegimeMap) -> list[tuple[str, list[Cell]]]:
@@ -311,6 +348,21 @@ def heatmap_png(m: RegimeMap, path: Path) -> Path:
     return path
 
 
+def noise_line(m: RegimeMap) -> str:
+    """How big the seed-to-seed noise of a cell's ratio is, over every policy and cell."""
+    n = len(m.spec.seeds)
+    if n < 2:
+        return "With one seed the noise is not measured here (reruns moved single cells by 5-10%)."
+    sds = sorted(c.spread(p, m.spec.baselines) for c in m.cells for p in m.spec.policies)
+    sds = [v for v in sds if v == v]
+    med, top = sds[len(sds) // 2], sds[-1]
+    return (
+        f"Noise: the per-seed ratios' standard deviation is {med:.3f} at the median (policy, cell) and up to "
+        f"{top:.3f}; a cell's mean over {n} seeds is uncertain by about sd/√{n} ≈ {med / math.sqrt(n):.3f} "
+        f"(median), so differences under ~{2 * med / math.sqrt(n):.2f} in one cell are not resolved."
+    )
+
+
 def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     sp = m.spec
     md = [
@@ -319,12 +371,16 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
         f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
         f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
+        f"Every cell runs {len(sp.seeds)} arrival seed(s); within a seed all policies replay the same arrivals and "
+        "the same roots (common random numbers), so each ratio is a paired per-seed ratio to the baseline that is "
+        "best on average, and the table shows its mean ± its standard deviation over the seeds. "
+        + noise_line(m) + "\n",
         f"SMetric ÷ best baseline:\n\n{map_table(m, sp.ours)}",
     ]
     if sp.variant:
         md.append(f"`{sp.variant}` ÷ best baseline:\n\n{map_table(m, sp.variant)}")
         md.append(f"`{sp.variant}` ÷ SMetric: " + ", ".join(
-            f"{c.tier}@{c.x:.3f} {_r(c.score(sp.variant) / c.score(sp.ours))}" for c in m.cells) + "\n")  # fmt: skip
+            f"{c.tier}@{c.x:.3f} {_r(_mean(c.seed_ratios(sp.variant, sp.ours)))}" for c in m.cells) + "\n")  # fmt: skip
     if png:
         md.append(f"![regime map]({png})\n")
     md += ["Per cell:\n", detail_table(m), "Why, region by region:\n", region_paragraphs(m)]

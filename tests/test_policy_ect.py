@@ -1,0 +1,95 @@
+"""smetric_ect, the expected-completion-cost variant: its cost on hand-computed cases, the two limits
+it reduces to (load balance when fetches are cheap, cache affinity when they are not), its labels,
+its registration and YAML parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from smetric_lmc.config import POLICY_NAMES, PolicyConfig, parse_config
+from smetric_lmc.policy import ClusterView, make_policy
+from smetric_lmc.policy.smetric_ect import ECTParams, ect_scores, smetric_ect
+from smetric_lmc.wire import Reason
+
+IDS = ("a", "b", "c", "d")
+# flat per-token prefill cost so the cases can be computed by hand
+P = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0)
+
+
+def view(hit, load, unpre=None, *, L=1000, turn=1, est=512, g=0, rr=0):
+    return ClusterView(IDS[: len(hit)], hit, load, L, turn=turn, est_hit=est, global_hit=g,
+                       unprefilled=unpre if unpre is not None else [0.0] * len(hit), rr=rr)  # fmt: skip
+
+
+def test_cost_formula_by_hand() -> None:
+    p = ECTParams(prefill_us=100.0, prefill_us_per_ktok=50.0, fetch_us=2.0, inflight_us=1000.0)
+    # t_tok = 100 + 50 * 2000 / 1000 = 200 µs
+    v = view([1500, 0], [2, 0], [100.0, 300.0], L=2000, g=1000)
+    assert ect_scores(v, p) == pytest.approx([
+        200 * 100 + (200 * 500 + 2 * 0) * (1 + 2) + 1000 * 2,  # holder: its queue; 500 tokens stall a batch of 3
+        200 * 300 + (200 * 1000 + 2 * 1000) * (1 + 0) + 0,  # fetches 1,000 and computes 1,000 on an idle GPU
+    ])  # fmt: skip
+
+
+def test_without_a_global_tier_the_holder_keeps_its_session_despite_load() -> None:
+    # 100*200*4 + 1000*3 = 83,000 vs 100*1000*2 + 1000 = 201,000 and 100,000: moving costs the context
+    d = smetric_ect(view([800, 0, 0], [3, 1, 0]), P)
+    assert (d.index, d.reason) == (0, Reason.STICKY)
+
+
+def test_with_the_prefix_in_the_global_tier_it_balances() -> None:
+    # g = 800: 83,000 vs (20,000 + 800)*2 + 1,000 vs 20,800 -> the idle instance
+    d = smetric_ect(view([800, 0, 0], [3, 1, 0], g=800), P)
+    assert (d.index, d.reason) == (2, Reason.OVERLOADED)
+
+
+def test_an_expensive_fetch_keeps_affinity() -> None:
+    slow = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=100.0, inflight_us=1000.0)
+    # fetching at compute speed: 83,000 vs 201,000 and 100,000 -> stay
+    assert smetric_ect(view([800, 0, 0], [3, 1, 0], g=800), slow).index == 0
+
+
+def test_a_long_prefill_queue_on_the_holder_moves_the_session() -> None:
+    # holder: 100*2000 + 100*200*2 + 1000 = 241,000; others 100*1000*2 + 1000 = 201,000 (tie: round-robin)
+    d = smetric_ect(view([800, 0, 0], [1, 1, 1], [2000.0, 0.0, 0.0]), P)
+    assert (d.index, d.reason) == (1, Reason.OVERLOADED)
+    assert smetric_ect(view([800, 0, 0], [1, 1, 1], [2000.0, 0.0, 0.0], rr=1), P).index == 2
+    # a shorter queue (1,500: 191,000) is not worth recomputing the context
+    assert smetric_ect(view([800, 0, 0], [1, 1, 1], [1500.0, 0.0, 0.0]), P).index == 0
+
+
+def test_first_turn_and_evicted_labels() -> None:
+    # first turn: a shared system prompt found locally on b counts as a hit (100*200*3 + 2000 < 100*1000)
+    d = smetric_ect(view([0, 800, 0], [0, 2, 0], turn=0), P)
+    assert (d.index, d.reason) == (1, Reason.FIRST_TURN)
+    # follow-up whose KV is mostly gone (64 of 900 expected): 93,600*2 + 1,000 vs 302,000 and 100,000
+    d = smetric_ect(view([64, 0, 0], [1, 2, 0], est=900), P)
+    assert (d.index, d.reason) == (2, Reason.EVICTED)
+
+
+def test_a_view_without_queues_prices_them_at_zero() -> None:
+    v = ClusterView(IDS[:2], [800, 0], [3, 1], 1000, turn=1, est_hit=512)
+    assert ect_scores(v, P) == pytest.approx([100 * 200 * 4 + 3000, 100 * 1000 * 2 + 1000])
+
+
+def test_registered_with_its_yaml_parameters() -> None:
+    assert "smetric_ect" in POLICY_NAMES
+    cfg = parse_config({"policy": {"name": "smetric_ect", "ect_fetch_us": 100.0, "ect_prefill_us": 100.0,
+                                   "ect_prefill_us_per_ktok": 0.0, "ect_inflight_us": 1000.0}})  # fmt: skip
+    pol = make_policy(cfg.policy)
+    # the router fills queues and request counts only for policies that ask
+    assert pol.needs == frozenset({"unprefilled", "in_flight"})
+    assert pol(view([800, 0, 0], [3, 1, 0], g=800)).index == 0  # the expensive fetch keeps affinity
+    with pytest.raises(ValueError, match="ect_inflight_us"):
+        PolicyConfig(name="smetric_ect", ect_inflight_us=-1.0)
+
+
+def test_no_instances() -> None:
+    assert smetric_ect(ClusterView((), [], [], 100)).index == -1
+
+
+def test_request_counts_come_from_in_flight_when_load_counts_tokens() -> None:
+    # under PD `load` is unprefilled tokens; the drag and the batch factor use the request counts
+    v = ClusterView(IDS[:2], [800, 0], [5000.0, 0.0], 1000, turn=1, est_hit=512, unprefilled=[5000.0, 0.0],
+                    in_flight=[1.0, 0.0])  # fmt: skip
+    assert ect_scores(v, P) == pytest.approx([100 * 5000 + 100 * 200 * 2 + 1000, 100 * 1000])
