@@ -478,3 +478,83 @@ def test_the_orphan_cap_drops_only_that_instances_oldest_runs():
     assert ix.stats["gpu_orphans_dropped"] == 2 and ix.stats["gpu_orphans_waiting"] == 6
     ix.gpu_stored("i1", [40], None, list(range(500, 516)), 16)  # i1's parent arrives: its run is intact
     assert ix.stats["gpu_orphans_adopted"] == 2
+
+
+# ---- ids that are not chain hashes (a trace's, the simulator's): the tree must stay linked -----
+def assert_linked(ix):
+    """No row freed twice, no cycle, child lists match parents, per-slot counts match the rows."""
+    t = ix._tree
+    free = list(t.free)
+    assert len(set(free)) == len(free), "a row was freed twice"
+    gone = set(free)
+    live = [r for r in range(1, len(t.key)) if r not in gone]
+    for r in live:
+        assert t.key[r] and t.rows.find(t.key[r]) == r
+        seen, x = set(), r
+        while x:  # walking parents terminates, through live rows only
+            assert x not in seen and x not in gone
+            seen.add(x)
+            x = t.par[x]
+        c, before, n = t.kid[r], 0, 0
+        while c:  # a child list ends, and links back only to its own rows
+            assert t.par[c] == r and t.prv[c] == before and c not in gone and n < len(t.key)
+            before, c, n = c, t.nxt[c], n + 1
+        p = t.par[r]
+        if p and t.mask(r):
+            assert t.view[t.mid[p]] & t.view[t.mid[r]] == t.view[t.mid[r]]  # masks stay complete
+    assert t.nodes == len(live)
+    for iid in ix.instances:
+        bit, sbit = ix._bits(ix._slots[iid])
+        assert ix.gpu_blocks_of(iid) == sum(1 for r in live if t.mask(r) & (bit | sbit))
+
+
+def test_a_block_stored_under_another_parent_never_frees_a_row_twice():
+    """Block 2 hangs under 1 (instance a); b stores 2 at the root. b's bit used to sit on row 2
+    alone, so a's removal of 1 emptied rows 1 and 3 around a surviving row 2 and freed row 3 twice:
+    two later blocks shared one row, their links formed a cycle and a subtree walk grew without
+    bound. The key names row 2's prefix, so b is taken to hold 1 as well."""
+    ix = make(2)
+    ix.gpu_stored_hashes("i0", [1, 2, 3])
+    ix.gpu_stored_hashes("i1", [2])
+    assert_linked(ix)
+    ix.gpu_removed_hashes("i0", [1])
+    assert_linked(ix)
+    assert ix.gpu_block_counts() == {"i0": 0, "i1": 2}
+    ix.gpu_stored_hashes("i0", [4, 5])
+    ix.gpu_stored_hashes("i0", [6], 5)
+    ix.gpu_removed_hashes("i1", [1])
+    assert_linked(ix)
+    assert ix.sizes()["gpu_nodes"] == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32))
+def test_made_up_ids_keep_the_tree_linked(seed):
+    """Stores of ids from a small pool (the same id under several parents, on many instances),
+    removals, stale marks, clears and sweeps, rows reused throughout: links checked after each."""
+    rng = random.Random(seed)
+    clock = [0.0]
+    ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, sweep_rows=rng.choice([1, 4, 1 << 16]))
+    insts = [f"i{k}" for k in range(8)]
+    for i in insts:
+        ix.register_instance(i)
+    held: dict[str, list[int]] = {i: [] for i in insts}
+    for _ in range(60):
+        inst = rng.choice(insts)
+        op = rng.random()
+        if op < 0.55:
+            hs = rng.sample(range(1, 31), rng.randint(1, 5))
+            parent = rng.choice(held[inst]) if held[inst] and rng.random() < 0.5 else None
+            ix.gpu_stored_hashes(inst, hs, parent)
+            held[inst] += hs
+        elif op < 0.85:
+            ix.gpu_removed_hashes(inst, [rng.randint(1, 30)])
+        elif op < 0.9:
+            ix.mark_stale(inst)
+        elif op < 0.94:
+            clock[0] += 11
+            ix.maintain()
+        else:
+            ix.gpu_cleared(inst)
+            held[inst] = []
+        assert_linked(ix)

@@ -279,6 +279,14 @@ class GpuTree:
                 r = rslots[i]
             if not r:
                 break
+            q = self.par[r]
+            if q != prev and q:
+                # The block exists under another parent (ids that are not chain hashes, as a
+                # trace's or the simulator's can be): the key names that row's prefix, so the
+                # slot is taken to hold it. Without this its bit would sit on a row whose
+                # ancestors lack it, and a clear of one of them would free a row the slot holds.
+                self.refresh(q, bit, drop)
+                mval = self.mval
             m = mval[mid[r]]
             if not m & bit or m & drop:
                 if not m & bit:
