@@ -53,6 +53,7 @@ from smetric_lmc.controller.vllm_events import apply_batch, decode_payload
 from smetric_lmc.gateway import Gateway
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as index_snapshot
+from smetric_lmc.workers.launch import free_ports
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 METRICS = (
@@ -80,15 +81,6 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 '''
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _answers(port: int) -> bool:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -35,18 +34,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from smetric_lmc.workers.launch import free_ports
+
 _enc = msgspec.msgpack.encode
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def replica_config(idx: int, route_ports: list[int], pub_ports: list[int], share: bool,
