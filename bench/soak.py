@@ -271,18 +271,7 @@ def curve_refuses_unknown_client() -> bool:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     pub_port, replay_port = free_ports(2)
-    cfg = {
-        "model": "soak",
-        "hashing": {"block_size": 16},
-        "instances": [
-            {"id": "a", "http": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{pub_port}",
-             "replay": f"tcp://127.0.0.1:{replay_port}"},
-            {"id": "b", "http": "http://127.0.0.1:10"},
-        ],
-        "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
-        "load": {"metrics_poll_s": 0, "instance_timeout_s": 0},
-        "lmcache": {"enabled": True, "pull_url": "tcp://127.0.0.1:*", "reply_url": "tcp://127.0.0.1:*"},
-    }
+    cfg = hostile.target_config("soak", 16, pub_port, replay_port)
     crashes = CrashCounter()
     logging.getLogger().addHandler(crashes)
     logging.getLogger("smetric_lmc").setLevel(logging.ERROR)  # a storm logs a warning per bad gap

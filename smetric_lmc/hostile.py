@@ -251,3 +251,21 @@ def storm_kinds(rng: random.Random, n: int, huge_share: float = 0.02) -> list[st
         out.append("huge_list" if rng.random() < huge_share else rng.choice(light))
     rng.shuffle(out)
     return out
+
+
+def target_config(model: str, block_size: int, pub_port: int, replay_port: int) -> dict[str, Any]:
+    """A controller with every peer-facing socket open on loopback, as the storms attack it:
+    instance ``a`` publishes KV events (with replay) on the given ports, ``b`` only exists, the
+    LMCache worker sockets are on, and no engine is polled (nothing answers on their http ports)."""
+    return {
+        "model": model,
+        "hashing": {"block_size": block_size},
+        "instances": [
+            {"id": "a", "http": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{pub_port}",
+             "replay": f"tcp://127.0.0.1:{replay_port}"},
+            {"id": "b", "http": "http://127.0.0.1:10"},
+        ],
+        "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
+        "load": {"metrics_poll_s": 0, "instance_timeout_s": 0},
+        "lmcache": {"enabled": True, "pull_url": "tcp://127.0.0.1:*", "reply_url": "tcp://127.0.0.1:*"},
+    }

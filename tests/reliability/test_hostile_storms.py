@@ -75,19 +75,7 @@ class StandInEngine:
 async def stack() -> AsyncIterator[tuple[ControllerApp, StandInEngine]]:
     ctx = zmq.asyncio.Context()
     engine = StandInEngine(ctx)
-    cfg = {
-        "model": "tiny",
-        "hashing": {"block_size": BS},
-        "instances": [
-            {"id": "a", "http": "http://127.0.0.1:9", "kv_events": f"tcp://127.0.0.1:{engine.pub_port}",
-             "replay": f"tcp://127.0.0.1:{engine.replay_port}"},
-            {"id": "b", "http": "http://127.0.0.1:10"},
-        ],
-        "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
-        "load": {"metrics_poll_s": 0, "instance_timeout_s": 0},
-        "lmcache": {"enabled": True, "pull_url": "tcp://127.0.0.1:*", "reply_url": "tcp://127.0.0.1:*"},
-        "limits": LIMITS,
-    }
+    cfg = {**hostile.target_config("tiny", BS, engine.pub_port, engine.replay_port), "limits": LIMITS}
     app = ControllerApp(parse_config(cfg))
     await app.start()
     msg = await asyncio.wait_for(engine.pub.recv(), 5)  # the subscription: no slow-joiner loss
