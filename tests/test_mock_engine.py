@@ -145,6 +145,44 @@ async def test_events_mirror_the_cache_through_eviction_and_late_replay() -> Non
     assert all(c % 32 == 0 and c <= n - 1 for _, n, c in usages)
 
 
+async def test_reset_prefix_cache_clears_the_engine_and_its_mirror() -> None:
+    """``POST /reset_prefix_cache`` as vLLM answers it: refused while a request holds blocks, else the
+    cache empties, an ``AllBlocksCleared`` event empties a subscriber's mirror, and the same prompt
+    misses afterwards."""
+    async with running_mocks(options(speed=20.0)) as mocks, aiohttp.ClientSession() as http:
+        info, core = mocks[0]
+        sink = SetSink()
+        sub = VllmEventSubscriber(info.kv_events_endpoint, info.instance_id, sink,
+                                  replay_endpoint=info.replay_endpoint, bind=False)
+        task = asyncio.create_task(sub.run())
+        try:
+            await asyncio.sleep(0.2)
+            prompt = list(range(300, 300 + 200))
+            await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
+            _, warm = await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
+            assert warm["prompt_tokens_details"]["cached_tokens"] == 192
+            await wait_for(lambda: sink.blocks and sink.blocks == core.cached_block_hashes(), what="mirror")
+            # A long generation holds blocks: the reset is refused and nothing is announced.
+            busy = asyncio.create_task(_complete(http, info.http_url, {"prompt": [9] * 64, "max_tokens": 400}))
+            await wait_for(lambda: core.running == 1, what="a running request")
+            async with http.post(f"{info.http_url}/reset_prefix_cache") as r:
+                assert r.status == 200 and await r.json() == {"success": False}
+            assert core.cached_block_hashes() == sink.blocks != set()
+            await busy
+            async with http.post(f"{info.http_url}/reset_prefix_cache") as r:
+                assert r.status == 200 and await r.json() == {"success": True}
+            assert core.cached_block_hashes() == set()
+            await wait_for(lambda: not sink.blocks, what="AllBlocksCleared at the subscriber")
+            _, cold = await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
+            assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+            await wait_for(lambda: sink.blocks == core.cached_block_hashes() != set(), what="mirror after reset")
+        finally:
+            await sub.close()
+            task.cancel()
+    frames = [decode_payload(p) for _, p in core.publisher._buffer]  # type: ignore[union-attr]
+    assert sum(type(e).__name__ == "AllBlocksCleared" for f in frames for e in f.events) == 1
+
+
 async def test_chat_tokenize_models_and_metrics_agree() -> None:
     async with running_mocks(options(speed=100.0)) as mocks, aiohttp.ClientSession() as http:
         url = mocks[0][0].http_url

@@ -22,8 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.mock_engine.kv_events import KVEventPublisher, block_removed, block_stored
+from smetric_lmc.mock_engine.kv_events import (
+    KVEventPublisher,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+)
 from smetric_lmc.mock_engine.vllm_hash import SUPPORTED_ALGOS, chain_digests, event_hash
+from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.profile import Profile
 from smetric_lmc.sim.request import SimRequest
@@ -225,6 +231,22 @@ class MockEngineCore:
             self.counters.requests_aborted += 1
             return
         r.output = max(1, r.decoded)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block, announced by one
+        ``AllBlocksCleared``. Like vLLM it refuses (False) while a running request holds blocks;
+        waiting requests hold none and simply miss afterwards. vLLM publishes the event with its
+        next engine step; the mock publishes it at once (an idle vLLM needs a request to flush it)."""
+        inst = self.inst
+        if inst.prefilling or inst.decoding or inst.loading or inst.cache.reserved:
+            log.warning("%s: prefix cache not reset: %d requests still hold blocks", self.instance_id, self.running)
+            return False
+        old = inst.cache
+        inst.cache = PrefixCache(old.capacity, on_removed=old.on_removed)
+        self._events.append(all_blocks_cleared())
+        self._flush()
+        log.info("%s: prefix cache reset (%d blocks dropped)", self.instance_id, old.used)
+        return True
 
     # ---- model callbacks ------------------------------------------------------------------------
     def _account(self, pos: int, t: float, tokens: int) -> None:

@@ -2,7 +2,7 @@
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming or not, ``usage`` with
 ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, ``/tokenize``, ``/metrics``
-with vLLM's metric names. Completions take a prompt as token ids (what a trace replay sends) or as
+with vLLM's metric names, and the dev endpoint ``POST /reset_prefix_cache``. Completions take a prompt as token ids (what a trace replay sends) or as
 text; text and chat messages go through the engine's own tokenizer: UTF-8 bytes as token ids
 (0-255) after a ChatML rendering, so any client can reproduce them without a model download.
 """
@@ -91,6 +91,7 @@ class MockEngineServer:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/mock/cache", self._cache)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         return app
 
     # ---- small endpoints ------------------------------------------------------------------------
@@ -113,6 +114,10 @@ class MockEngineServer:
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.core, self.model), content_type="text/plain")
+
+    async def _reset_prefix_cache(self, _r: web.Request) -> web.Response:
+        """vLLM's dev endpoint (``VLLM_SERVER_DEV_MODE=1`` there): ``{"success": bool}``."""
+        return web.json_response({"success": self.core.reset_prefix_cache()})
 
     async def _cache(self, _r: web.Request) -> web.Response:
         """Not a vLLM endpoint: what the mock's prefix cache holds, for checking a controller's mirror."""
