@@ -6,7 +6,9 @@ Timed requests on an otherwise idle engine (token-id prompts, ``ignore_eos``, st
   context (the context sent once before, so the engine's prefix cache holds it);
 * decode: time per output token for batches of concurrent requests at two context lengths;
 * KV capacity and block size from ``vllm:cache_config_info`` on ``/metrics``; the request length
-  limit from ``/v1/models``.
+  limit from ``/v1/models``; the scheduler's limits (``max_num_seqs``, ``max_num_batched_tokens``,
+  chunked prefill) from the engine's startup log when given, else vLLM's defaults for its OpenAI
+  server on a CPU (no endpoint reports them).
 
 The profile's iteration model is ``max(flops / F, bytes / B) + overhead``. Prefill times fit the
 effective compute rate F (and an intercept: per-request API/scheduling time the engine adds before
@@ -21,6 +23,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -103,6 +106,34 @@ async def _engine_info(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     return info
 
 
+# vLLM 0.32's defaults for its OpenAI server on a CPU (``EngineArgs.get_batch_defaults``); chunked
+# prefill is on there. A GPU engine's depend on the card: give its log or the values.
+VLLM_CPU_SERVER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 128, "max_num_batched_tokens": 2048,
+                                            "enable_chunked_prefill": True}
+
+
+def scheduler_limits(log_text: str | None) -> dict[str, Any]:
+    """The scheduler limits a vLLM engine runs with: what its startup log says (``non-default args``
+    for the two limits, the config line for chunked prefill), vLLM's CPU defaults for the rest."""
+    out = dict(VLLM_CPU_SERVER_DEFAULTS, source="vLLM CPU defaults")
+    if not log_text:
+        return out
+    args = re.search(r"non-default args: (.*)", log_text)
+    found = []
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        m = re.search(rf"'{key}': (\d+)", args.group(1)) if args else None
+        if m:
+            out[key] = int(m.group(1))
+            found.append(key)
+    m = re.search(r"enable_chunked_prefill=(True|False)", log_text)
+    if m:
+        out["enable_chunked_prefill"] = m.group(1) == "True"
+        found.append("enable_chunked_prefill")
+    if args or m:
+        out["source"] = "engine log" + (f" ({', '.join(found)}; defaults for the rest)" if found else " (defaults)")
+    return out
+
+
 class _Prober:
     def __init__(self, http: aiohttp.ClientSession, url: str, model: str, vocab: int, seed: int) -> None:
         self.http, self.url, self.model = http, url, model
@@ -112,14 +143,13 @@ class _Prober:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
 
-    async def timed(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-        """(first-token seconds, arrival times of later chunks, cached tokens)."""
+    async def timed(self, prompt: list[int], max_tokens: int) -> Timing:
+        """One streamed request, timed from the send."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
         t0 = time.perf_counter()
-        first = float("nan")
-        later: list[float] = []
-        cached = 0
+        out = Timing()
         async with self.http.post(f"{self.url}/v1/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"calibration request failed: HTTP {r.status}: {(await r.text())[:300]}")
@@ -129,18 +159,39 @@ class _Prober:
                     continue
                 obj = json.loads(line[5:])
                 now = time.perf_counter() - t0
-                if obj.get("choices") and obj["choices"][0].get("text") is not None:
-                    if first != first:
-                        first = now
-                    else:
-                        later.append(now)
+                choice = obj["choices"][0] if obj.get("choices") else None
+                if choice is not None and choice.get("text") is not None:
+                    # A chunk carries every token the server had when it wrote it: when the API
+                    # server falls behind the engine, several (its token_ids say how many).
+                    n = len(choice["token_ids"]) if choice.get("token_ids") is not None else 1
+                    if out.first != out.first:
+                        out.first = now
+                        n -= 1
+                    if n > 0:
+                        out.later.append((now, n))
                 if obj.get("usage"):
-                    cached = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return first, later, cached
+                    out.cached = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        out.end = time.perf_counter() - t0
+        return out
+
+
+@dataclass
+class Timing:
+    first: float = float("nan")  # first token, seconds after the send
+    later: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens) of later chunks
+    end: float = float("nan")  # the stream closed
+    cached: int = 0
+
+    def step_after(self, start: float) -> float | None:
+        """Mean decode step from ``start`` to the last token: chunk gaps would mislead when the
+        server coalesces tokens (a gap of microseconds inside a burst)."""
+        n = sum(k for t, k in self.later if t > start)
+        last = max((t for t, _ in self.later), default=start)
+        return (last - start) / n if n and last > start else None
 
 
 async def measure(url: str, *, vocab: int = 4096, repeats: int = 3, seed: int = 0,
-                  decode_batches: tuple[int, ...] = (1, 2, 4, 8), decode_tokens: int = 24) -> tuple[dict, list[Sample]]:
+                  decode_batches: tuple[int, ...] = (1, 2, 4, 8), decode_tokens: int = 32) -> tuple[dict, list[Sample]]:
     url = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -153,23 +204,23 @@ async def measure(url: str, *, vocab: int = 4096, repeats: int = 3, seed: int = 
         sizes = [n for n in (32, 128, 256, 512, 1024, 1536) if n <= limit]
         for n in sizes:
             for _ in range(repeats):
-                ttft, _, cached = await pr.timed(pr.tokens(n), 1)
-                samples.append(Sample("prefill", n - cached, cached, ttft))
+                tm = await pr.timed(pr.tokens(n), 1)
+                samples.append(Sample("prefill", n - tm.cached, tm.cached, tm.first))
         for ctx in (c for c in (256, 768) if c + 256 <= limit):
             for n in (64, 256):
                 for _ in range(repeats):
                     base = pr.tokens(ctx)
                     await pr.timed(base, 1)  # now cached (whole blocks of it)
-                    ttft, _, cached = await pr.timed(base + pr.tokens(n), 1)
-                    samples.append(Sample("prefill", ctx + n - cached, cached, ttft))
+                    tm = await pr.timed(base + pr.tokens(n), 1)
+                    samples.append(Sample("prefill", ctx + n - tm.cached, tm.cached, tm.first))
         for ctx in (64, min(768, limit)):
             for b in decode_batches:
                 res = await asyncio.gather(*(pr.timed(pr.tokens(ctx), decode_tokens) for _ in range(b)))
-                # Steps while all b decode together: each request's gaps after the slowest first token.
-                start = max(r[0] for r in res)
-                gaps = [t1 - t0 for _, later, _ in res for t0, t1 in zip(later, later[1:]) if t0 >= start]
-                if gaps:
-                    samples.append(Sample("decode", b, b * (ctx + decode_tokens // 2), statistics.median(gaps)))
+                # Steps while all b decode together: after the slowest first token.
+                start = max(r.first for r in res)
+                steps = [x for x in (r.step_after(start) for r in res) if x is not None]
+                if steps:
+                    samples.append(Sample("decode", b, b * (ctx + decode_tokens // 2), statistics.median(steps)))
         info["block_size"] = bs
         return info, samples
 
@@ -216,12 +267,27 @@ def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_s
 
 
 def calibrate(url: str, out: Path, *, base: str | Path | None = None, model_dir: Path | None = None,
-              max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, vocab: int = 4096) -> Calibration:
+              max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+              engine_log: Path | None = None, vocab: int = 4096) -> Calibration:
+    """Measure the engine at ``url`` and write the fitted profile to ``out``. Scheduler limits:
+    the explicit values, else the engine's log (``engine_log``), else vLLM's CPU defaults."""
     base_prof = load_profile(base) if base else load_profile()
     if model_dir is not None:
         base_prof = base_prof.with_overrides(**model_shape(model_dir))
+    sched = scheduler_limits(engine_log.read_text(errors="replace") if engine_log is not None else None)
+    if max_num_seqs is not None:
+        sched.update(max_num_seqs=max_num_seqs, source=f"{sched['source']}; max_num_seqs given")
+    if max_num_batched_tokens is not None:
+        sched.update(max_num_batched_tokens=max_num_batched_tokens,
+                     source=f"{sched['source']}; max_num_batched_tokens given")
     info, samples = asyncio.run(measure(url, vocab=vocab))
-    cal = fit(base_prof, info, samples, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    budget = int(sched["max_num_batched_tokens"])
+    if not sched["enable_chunked_prefill"]:
+        # vLLM then schedules a whole prompt in one step: the budget is at least the longest prompt.
+        budget = max(budget, int(info["max_model_len"]))
+        log.warning("%s runs without chunked prefill: the profile's per-step token budget is %d", url, budget)
+    info["scheduler"] = sched
+    cal = fit(base_prof, info, samples, max_num_seqs=int(sched["max_num_seqs"]), max_num_batched_tokens=budget,
               name=f"calibrated-{info['model']}")
     write_profile(cal.profile, out)
     (out.with_suffix(".samples.json")).write_text(json.dumps([asdict(s) for s in samples]))

@@ -114,9 +114,11 @@ def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("calibrate / validate")
     g.add_argument("--engine", help="calibrate: base URL of a running, idle vLLM engine")
     g.add_argument("--model-dir", help="calibrate: the served model's folder (config.json gives its shape)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="calibrate: the engine's --max-num-seqs")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="calibrate: the engine's --max-num-batched-tokens")
+    g.add_argument("--engine-log", help="calibrate: the engine's startup log (its scheduler limits are read there)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="calibrate: the engine's --max-num-seqs (default: from --engine-log, else vLLM's CPU default)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="calibrate: the engine's --max-num-batched-tokens (default: as --max-num-seqs)")
     g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
 
 
@@ -129,7 +131,8 @@ def run_calibration_action(args: argparse.Namespace) -> int:
             return 2
         cal = calibrate(args.engine, Path(args.out), base=args.profile,
                         model_dir=Path(args.model_dir) if args.model_dir else None,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        engine_log=Path(args.engine_log) if args.engine_log else None)
         print(cal.report())
         print(f"wrote {args.out} (use: smetric sim --profile {args.out})")
         return 0

@@ -6,12 +6,21 @@ cache, switches the controller's policy (hot reload), replays one small workload
 gateway, and simulates the same workload with the calibrated profile. Live and simulated runs are
 compared on throughput (tokens over the run), TTFT p50, local-hit ratio, stickiness and
 route-reason mix; the policies are ranked by throughput in both.
+
+The simulator models the engines' iterations only. What a live request spends outside them (client,
+gateway, controller, vLLM's API server and engine-core hand-offs: the *request path*) is measured with
+calibration requests just before each policy's replay: tiny requests through the gateway give the time
+to the first token beyond one modelled iteration (``pre``) and from the last token to the end of the
+stream (``post``). A closed-loop session waits ``pre + post`` between a reply and its next request's
+first iteration, so the simulated sessions get it as think time; simulated TTFTs get ``pre`` added.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -32,28 +41,44 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class RequestPath:
+    """The request path around the engine's iterations, measured (seconds)."""
+
+    pre: float  # send -> first token, beyond the first iteration
+    post: float  # last token -> end of the stream at the client
+
+    @property
+    def turnaround(self) -> float:
+        return self.pre + self.post
+
+
+@dataclass
 class RealPoint:
     policy: str
     live: SimResult
     sim: SimResult
-    api_overhead_s: float
+    path: RequestPath
+    conditions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         ls, ss = self.live.summary, self.sim.summary
-        return {"policy": self.policy, "tput_live": run_tps(self.live), "tput_sim": run_tps(self.sim),
-                "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": ss["ttft_p50"] + self.api_overhead_s,
+        return {"policy": self.policy, "tput_live": run_tps(self.live),
+                "tput_sim": run_tps(self.sim, tail_s=self.path.post),
+                "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": ss["ttft_p50"] + self.path.pre,
+                "path_pre_s": self.path.pre, "path_post_s": self.path.post, **self.conditions,
                 "hit_live": ls["hit_local"], "hit_sim": ss["hit_local"],
                 "sticky_live": ls["stickiness"], "sticky_sim": ss["stickiness"],
                 "reasons_live": reason_shares(ls), "reasons_sim": reason_shares(ss)}
 
 
-def run_tps(res: SimResult) -> float:
-    """Input + output tokens of served requests over first arrival .. last finish (both runs alike)."""
+def run_tps(res: SimResult, tail_s: float = 0.0) -> float:
+    """Input + output tokens of served requests over first arrival .. last finish (both runs alike;
+    ``tail_s``: time from the last token to the client that the run does not model)."""
     c = res.cols
     ok = ~c["rejected"].astype(bool)
     if not ok.any():
         return 0.0
-    dur = float(np.nanmax(c["finish"][ok]) - np.nanmin(c["arrival"][ok]))
+    dur = float(np.nanmax(c["finish"][ok]) - np.nanmin(c["arrival"][ok])) + tail_s
     return float((c["input"][ok] + c["output"][ok]).sum() / max(dur, 1e-9))
 
 
@@ -66,22 +91,53 @@ def small_workload(sessions: int, turns: int, context_scale: float, output_scale
     return scale_workload(Workload(wl.name, wl.block_size, roots), context_scale, output_scale)
 
 
-def _path_overhead(gateway: str, cal: Calibration, n: int = 9) -> float:
-    """Median first-token time of tiny requests through the gateway minus the modelled iteration:
-    the HTTP/routing/API path the simulator does not model."""
+def with_turnaround(wl: Workload, seconds: float, max_think_s: float) -> Workload:
+    """The workload as the simulator should see a closed-loop client whose next request reaches the
+    engine ``seconds`` after the previous reply left it: think times (clipped as the replay clips
+    them) plus the request path."""
+    def session(s: TraceSession) -> TraceSession:
+        return dataclasses.replace(s, requests=[
+            dataclasses.replace(r, think_time=min(max(0.0, r.think_time), max_think_s) + (seconds if k else 0.0))
+            for k, r in enumerate(s.requests)])
+
+    return dataclasses.replace(wl, sessions=[session(s) for s in wl.sessions])
+
+
+def measure_path(gateway: str, cal: Calibration, n: int = 9) -> RequestPath:
+    """Medians over tiny requests (32 tokens, 1 output) through the gateway, one at a time."""
     import asyncio
 
     from smetric_lmc.replay.calibrate import _Prober
 
-    async def run() -> list[float]:
+    async def run() -> list[Any]:
         import aiohttp
 
         async with aiohttp.ClientSession() as http:
-            pr = _Prober(http, gateway, "tiny", 4096, seed=99)
-            return [(await pr.timed(pr.tokens(32), 1))[0] for _ in range(n)]
+            pr = _Prober(http, gateway, "tiny", 4096, seed=int(time.time()))
+            return [await pr.timed(pr.tokens(32), 1) for _ in range(n)]
 
-    times = asyncio.run(run())
-    return max(0.0, float(np.median(times)) - cal.profile.iteration_time([(32, 0)], 0, 0))
+    timings = asyncio.run(run())
+    first = float(np.median([t.first for t in timings]))
+    post = float(np.median([t.end - t.first for t in timings]))
+    return RequestPath(max(0.0, first - cal.profile.iteration_time([(32, 0)], 0, 0)), post)
+
+
+def _cpu_seconds(pgids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) of each process group so far, and of this process (the client)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(pgids, 0.0)
+    by_pgid = {v: k for k, v in pgids.items()}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)[1].split()
+            name = by_pgid.get(int(f[2]))
+            if name is not None:
+                out[name] += (int(f[11]) + int(f[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue  # gone while we looked
+    t = os.times()
+    out["client"] = t.user + t.system
+    return out
 
 
 def _reset_caches(engines: list[Any]) -> None:
@@ -136,8 +192,8 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
                   rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
 
-    The default workload saturates the engines (closed loop, no think time, short outputs): then
-    throughput depends on what the policy saves in prefill, and the policies can be ranked."""
+    The default workload: closed loop without think time, short outputs, sessions starting at ``rate``
+    per second; a session's turns follow each other as fast as the engines and the request path allow."""
     from smetric_lmc.workers import launch, up
 
     work.mkdir(parents=True, exist_ok=True)
@@ -149,7 +205,8 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     running = launch.start_engines(specs, work, timeout_s=600)
     procs: list[launch.ProcessGroup] = []
     try:
-        cal: Calibration = calibrate(running[0].http_url, work / "calibrated.yaml", model_dir=model)
+        cal: Calibration = calibrate(running[0].http_url, work / "calibrated.yaml", model_dir=model,
+                                     engine_log=running[0].process.log_path)
         print(cal.report())
         route_port, metrics_port = launch.free_ports(2)
         route_url = f"tcp://127.0.0.1:{route_port}"
@@ -160,21 +217,29 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         procs.append(up.start_gateway(config_path, gw_port, work))
         gateway = f"http://127.0.0.1:{gw_port}"
         warm_up(gateway, route_url)
-        path_s = _path_overhead(gateway, cal)
-        print(f"request path (client -> gateway -> controller -> engine API -> first token) on an idle engine: "
-              f"{path_s * 1e3:.1f} ms beyond the first iteration; added to simulated TTFTs", flush=True)
         wl = small_workload(sessions, turns, context_scale, output_scale, seed)
+        pgids = {e.instance_id: e.process.pid for e in running} | {"controller": procs[0].pid, "gateway": procs[1].pid}
         points: list[RealPoint] = []
         for pol in policies:
             _set_policy(config_path, data, pol, route_url)
             _reset_caches(running)
+            path = measure_path(gateway, cal)
+            print(f"{pol}: request path beyond the first iteration {path.pre * 1e3:.1f} ms to the first token, "
+                  f"{path.post * 1e3:.1f} ms after the last (the simulated sessions wait both between turns)", flush=True)
+            cpu0, load0, t0 = _cpu_seconds(pgids), os.getloadavg()[0], time.monotonic()
             records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
                                               records=work / f"{pol}.jsonl"))
+            wall = time.monotonic() - t0
+            cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(pgids).items()}
             live = summarize_records(records, policy=pol)
-            sim = simulate_like(wl, cal.profile, pol, engines, rate, seed, max_think_s)
-            points.append(RealPoint(pol, live, sim, path_s))
-            print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim):.0f} tok/s; "
-                  f"{live.summary['failed']} failed", flush=True)
+            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), cal.profile, pol, engines, rate,
+                                seed, 1e9)
+            cond = {"load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "replay_wall_s": round(wall, 2),
+                    "cpu_s": cpu}
+            points.append(RealPoint(pol, live, sim, path, cond))
+            print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
+                  f"{live.summary['failed']} failed; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
+                  f"CPU seconds over {wall:.1f} s: {cpu}", flush=True)
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=10.0)
@@ -183,6 +248,7 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     rows = [p.row() for p in points]
     (work / "validation.json").write_text(json.dumps(rows, default=float, indent=1))
     print(table(rows))
+    print(conditions_table(rows))
     rank_live = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_live"])]
     rank_sim = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_sim"])]
     print(f"ranking by throughput: live {rank_live}, sim {rank_sim}")
@@ -203,4 +269,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['policy']} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
                      f"{r['ttft_p50_sim']:.3f} | {r['hit_live']:.3f} | {r['hit_sim']:.3f} | "
                      f"{r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def conditions_table(rows: list[dict[str, Any]]) -> str:
+    """What each replay ran under: the measured request path, the machine's load, who used the CPU."""
+    names = sorted({k for r in rows for k in r["cpu_s"]})
+    head = ["policy", "path pre (ms)", "post (ms)", "load avg 1m (start, end)", "replay wall (s)",
+            *(f"CPU s {n}" for n in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        la = r["load_avg_1m"]
+        lines.append(f"| {r['policy']} | {r['path_pre_s'] * 1e3:.1f} | {r['path_post_s'] * 1e3:.1f} | "
+                     f"{la[0]:.1f}, {la[1]:.1f} | {r['replay_wall_s']:.1f} | "
+                     + " | ".join(f"{r['cpu_s'].get(n, 0.0):.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
