@@ -225,6 +225,19 @@ async def measure(url: str, *, vocab: int = 4096, repeats: int = 3, seed: int = 
         return info, samples
 
 
+def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Theil-Sen line (median of pairwise slopes): on a shared machine a few first tokens wait
+    hundreds of ms for a CPU, and a least-squares line follows them (negative intercepts, a
+    compute rate off by 4x between runs); the median ignores them."""
+    i, j = np.triu_indices(len(x), k=1)
+    dx = x[j] - x[i]
+    keep = dx != 0
+    if not keep.any():
+        return 0.0, float(np.median(y))
+    slope = float(np.median((y[j] - y[i])[keep] / dx[keep]))
+    return slope, float(np.median(y - slope * x))
+
+
 def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_seqs: int,
         max_num_batched_tokens: int, name: str) -> Calibration:
     """Least-squares fit of the profile's iteration model to the samples."""
@@ -236,7 +249,7 @@ def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_s
     flops = np.array([p0.flops_per_token * s.new_tokens + p0.attn_flops_per_pair * (
         s.new_tokens * s.context + s.new_tokens * (s.new_tokens + 1) // 2) for s in pre])
     t = np.array([s.seconds for s in pre])
-    slope, intercept = np.polyfit(flops, t, 1)
+    slope, intercept = robust_line(flops, t)
     peak = 1.0 / max(slope, 1e-30)
     mem = np.array([p0.weight_bytes_read + p0.kv_bytes_per_token * (s.context + s.new_tokens) for s in dec])
     comp = np.array([p0.flops_per_token * s.new_tokens + p0.attn_flops_per_pair * s.context for s in dec]) / peak

@@ -1,0 +1,93 @@
+"""The real-engine validation's model of a live run: scheduler limits read from a vLLM log, decode
+steps timed through servers that coalesce tokens, and the request path the simulated closed loop
+waits between turns."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smetric_lmc.mock_engine.cli import options, running_mocks
+from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
+from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
+from smetric_lmc.replay.validate import measure_path, small_workload, with_turnaround
+from smetric_lmc.sim.profile import load_profile
+
+# Two lines as vLLM 0.32's API server logs them at startup (shortened; the dict is its repr).
+VLLM_LOG = (
+    "(APIServer pid=13047) INFO 11-30 15:49:17 [api_utils.py:286] non-default args: {'host': '127.0.0.1', "
+    "'port': 34727, 'model': '/models/tiny-qwen2', 'dtype': 'float32', 'max_model_len': 2048, "
+    "'max_num_seqs': 48, 'block_size': 32, 'enable_prefix_caching': True}\n"
+    "(EngineCore pid=13272) INFO 11-30 15:49:25 [core.py:101] Initializing a V1 LLM engine (v0.32.0) with "
+    "config: model='/models/tiny-qwen2', seed=0, served_model_name=tiny, enable_prefix_caching=True, "
+    "enable_chunked_prefill=False, pooler_config=None\n"
+)
+
+
+def test_scheduler_limits_come_from_the_engine_log_else_vllm_cpu_defaults() -> None:
+    got = scheduler_limits(VLLM_LOG)
+    assert got["max_num_seqs"] == 48  # set on the command line
+    assert got["max_num_batched_tokens"] == VLLM_CPU_SERVER_DEFAULTS["max_num_batched_tokens"]  # not set
+    assert got["enable_chunked_prefill"] is False
+    assert got["source"].startswith("engine log")
+    none = scheduler_limits(None)
+    assert {k: none[k] for k in VLLM_CPU_SERVER_DEFAULTS} == VLLM_CPU_SERVER_DEFAULTS
+    assert none["source"] == "vLLM CPU defaults"
+
+
+def test_decode_steps_are_timed_through_coalesced_stream_chunks(tmp_path: Path) -> None:
+    """The mock streams 4 tokens per chunk (``--stream-interval``), as vLLM's API server does when it
+    falls behind: gaps between chunks are mostly zero inside a burst, yet the measured step is the
+    engine's step (model time = wall time x speed)."""
+    prof = with_kv_tokens(load_profile(), 64_000).with_overrides(iter_overhead_s=0.02)
+    path = write_profile(prof, tmp_path / "p.yaml")
+    speed = 2.0
+
+    async def run() -> tuple[dict, list]:
+        async with running_mocks(options(profile=str(path), speed=speed, max_model_len=4096,
+                                         stream_interval=4)) as mocks:
+            return await measure(mocks[0][0].http_url, repeats=1, decode_batches=(1, 4), decode_tokens=24)
+
+    _, samples = asyncio.run(run())
+    dec = [s for s in samples if s.kind == "decode"]
+    assert len(dec) == 4
+    for s in dec:
+        model_step = prof.iteration_time([], s.new_tokens, s.context)
+        # Loop jitter only makes a step look longer; a gap between 4-token chunks is 4 steps.
+        assert 0.7 < s.seconds * speed / model_step < 2, (s, model_step)
+
+
+def test_the_simulated_closed_loop_waits_the_request_path_between_turns(tmp_path: Path) -> None:
+    """A session's simulated span grows by the measured path once per follow-up, its first turn not."""
+    wl = small_workload(1, 6, 0.03, 0.03)
+    wl.sessions[0].requests[2].think_time = 5.0  # clipped by the replay's max_think_s, as the replay does
+    turned = with_turnaround(wl, 0.25, max_think_s=1.0)
+    thinks = [r.think_time for r in turned.sessions[0].requests]
+    assert thinks[0] == 0.0 and thinks[2] == pytest.approx(1.25)
+    assert all(t == pytest.approx(min(r.think_time, 1.0) + 0.25)
+               for t, r in zip(thinks[1:], wl.sessions[0].requests[1:], strict=True) if r is not wl.sessions[0].requests[2])
+    prof = load_profile()
+    base = simulate_like(wl, prof, "smetric", 1, 1.0, 0, 1.0)
+    slow = simulate_like(turned, prof, "smetric", 1, 1.0, 0, 1e9)
+    served = ~base.cols["rejected"].astype(bool)
+    follow_ups = int(served.sum()) - 1
+    span = lambda r: float(np.nanmax(r.cols["finish"]) - np.nanmin(r.cols["arrival"]))  # noqa: E731
+    assert span(slow) - span(base) == pytest.approx(0.25 * follow_ups, rel=0.05)
+
+
+def test_request_path_is_measured_from_tiny_requests(tmp_path: Path) -> None:
+    """Against any OpenAI endpoint (here one mock engine, its model 1000x faster than real time):
+    both parts are non-negative and small."""
+    cal = Calibration(load_profile(), [], 0.0)
+
+    async def serve() -> None:
+        async with running_mocks(options(speed=1000.0)) as mocks:
+            url = mocks[0][0].http_url
+            path = await asyncio.to_thread(measure_path, url, cal, 5)
+            assert 0.0 <= path.pre < 1.0 and 0.0 <= path.post < 1.0
+            assert path.turnaround == pytest.approx(path.pre + path.post)
+
+    asyncio.run(serve())
