@@ -122,6 +122,38 @@ def measure_path(gateway: str, cal: Calibration, n: int = 9) -> RequestPath:
     return RequestPath(max(0.0, first - cal.profile.iteration_time([(32, 0)], 0, 0)), post)
 
 
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def pin_engines(engines: list[Any]) -> dict[str, int]:
+    """Every thread of engine i (API server, engine core, worker) onto core i, the core its OpenMP
+    threads are already bound to. vLLM's worker busy-polls its shared-memory queue for a second after
+    each step, so an engine with work holds a whole core: unpinned, two busy engines' workers leave
+    no core for either engine's API server and engine core, and each engine's speed depends on what
+    the other is doing, which the simulator (independent accelerators) cannot know. Pinned, an engine
+    runs during the replay as it ran when it was calibrated alone."""
+    cores = sorted(os.sched_getaffinity(0))
+    placed = {}
+    for i, e in enumerate(engines):
+        core = cores[i % len(cores)]
+        for pid in _group_pids(e.process.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    os.sched_setaffinity(int(task.name), {core})
+                except OSError:
+                    continue  # a thread that ended meanwhile
+        placed[e.instance_id] = core
+    return placed
+
+
 def _cpu_seconds(pgids: dict[str, int]) -> dict[str, float]:
     """CPU time (user + system) of each process group so far, and of this process (the client)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -189,7 +221,7 @@ DEFAULT_POLICIES = ("smetric", "load_balance", "cache_first")
 
 def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
                   sessions: int = 16, turns: int = 8, context_scale: float = 0.03, output_scale: float = 0.03,
-                  rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                  rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0, pin: bool = True) -> dict[str, Any]:
     """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
 
     The default workload: closed loop without think time, short outputs, sessions starting at ``rate``
@@ -205,6 +237,8 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     running = launch.start_engines(specs, work, timeout_s=600)
     procs: list[launch.ProcessGroup] = []
     try:
+        if pin:
+            print(f"engines pinned to cores (every thread): {pin_engines(running)}", flush=True)
         cal: Calibration = calibrate(running[0].http_url, work / "calibrated.yaml", model_dir=model,
                                      engine_log=running[0].process.log_path)
         print(cal.report())
