@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from smetric_lmc.replay.calibrate import Calibration, calibrate
-from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up
+from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up, write_profile
 from smetric_lmc.replay.prompts import scale_workload
 from smetric_lmc.replay.runner import ReplayConfig, replay
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.sim.metrics import SimResult
+from smetric_lmc.sim.profile import Profile
 from smetric_lmc.workload.model import TraceSession, Workload
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,52 @@ def with_turnaround(wl: Workload, seconds: float, max_think_s: float) -> Workloa
             for k, r in enumerate(s.requests)])
 
     return dataclasses.replace(wl, sessions=[session(s) for s in wl.sessions])
+
+
+def decode_s_per_token(res: SimResult) -> float:
+    """Time from first to last token over the tokens after the first, served requests pooled."""
+    c = res.cols
+    ok = ~c["rejected"].astype(bool) & (c["output"] > 1)
+    steps = float((c["output"][ok] - 1).sum())
+    return float((c["finish"][ok] - c["first_token"][ok]).sum()) / steps if steps else float("nan")
+
+
+def slowed(profile: Profile, factor: float) -> Profile:
+    """Every iteration ``factor`` times longer (compute, memory and overhead alike)."""
+    return profile.with_overrides(peak_flops=profile.peak_flops / factor, hbm_bw=profile.hbm_bw / factor,
+                                  iter_overhead_s=profile.iter_overhead_s * factor)
+
+
+@dataclass
+class LoadedFit:
+    """The profile and request path as a calibration replay saw them (see ``fit_under_load``)."""
+
+    profile: Profile
+    slowdown: float  # engine iterations during the replay / on the idle engine (calibration probes)
+    pre: float  # request path before the first token, under the replay's concurrency (s)
+    live: SimResult
+    sim: SimResult
+
+
+def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: RequestPath, policy: str,
+                   engines: int, rate: float, seed: int, max_think_s: float, rounds: int = 4) -> LoadedFit:
+    """Fit two numbers on a calibration replay (another workload, replayed like the validation's):
+    how much slower the engines' iterations run while the whole stack shares the machine (decode
+    time per token, live over simulated) and the request path before the first token under that
+    concurrency (live TTFT p50 minus the simulated engine's). The idle-engine probes miss both: on a
+    CPU the API servers, gateway, controller and client take the cores the iterations run on."""
+    d_live = decode_s_per_token(live)
+    ttft_live = float(live.summary["ttft_p50"])
+    factor, pre = 1.0, path.pre
+    sim = None
+    for _ in range(rounds):
+        prof = slowed(profile, factor)
+        sim = simulate_like(with_turnaround(cal_wl, pre + path.post, max_think_s), prof, policy, engines, rate,
+                            seed, 1e9)
+        factor *= d_live / decode_s_per_token(sim)
+        pre = max(0.0, ttft_live - float(sim.summary["ttft_p50"]))
+    assert sim is not None
+    return LoadedFit(slowed(profile, factor), factor, pre, live, sim)
 
 
 def measure_path(gateway: str, cal: Calibration, n: int = 9) -> RequestPath:
@@ -253,22 +300,40 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         warm_up(gateway, route_url)
         wl = small_workload(sessions, turns, context_scale, output_scale, seed)
         pgids = {e.instance_id: e.process.pid for e in running} | {"controller": procs[0].pid, "gateway": procs[1].pid}
+        # Calibration replay: another workload (other sessions), the same knobs, a neutral policy.
+        cal_pol = "load_balance"
+        _set_policy(config_path, data, cal_pol, route_url)
+        _reset_caches(running)
+        idle_path = measure_path(gateway, cal)
+        cal_wl = small_workload(sessions, turns, context_scale, output_scale, seed + 1)
+        cal_records = replay(cal_wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed + 1,
+                                                  records=work / "calibration-replay.jsonl"))
+        loaded = fit_under_load(cal_wl, summarize_records(cal_records, policy=cal_pol), cal.profile, idle_path,
+                                cal_pol, engines, rate, seed + 1, max_think_s)
+        profile = loaded.profile
+        write_profile(profile, work / "calibrated-under-load.yaml")
+        print(f"calibration replay ({cal_pol}, workload seed {seed + 1}): decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
+              f"ms/token live vs {decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit: engine iterations "
+              f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token {loaded.pre * 1e3:.1f} ms "
+              f"under load ({idle_path.pre * 1e3:.1f} ms idle); TTFT p50 live {loaded.live.summary['ttft_p50']:.3f} s",
+              flush=True)
         points: list[RealPoint] = []
         for pol in policies:
             _set_policy(config_path, data, pol, route_url)
             _reset_caches(running)
-            path = measure_path(gateway, cal)
-            print(f"{pol}: request path beyond the first iteration {path.pre * 1e3:.1f} ms to the first token, "
-                  f"{path.post * 1e3:.1f} ms after the last (the simulated sessions wait both between turns)", flush=True)
+            idle = measure_path(gateway, cal)
+            path = RequestPath(loaded.pre, idle.post)
+            print(f"{pol}: idle request path {idle.pre * 1e3:.1f} ms before the first token, {idle.post * 1e3:.1f} ms "
+                  f"after the last; simulated with {path.pre * 1e3:.1f} ms before (calibration replay)", flush=True)
             cpu0, load0, t0 = _cpu_seconds(pgids), os.getloadavg()[0], time.monotonic()
             records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
                                               records=work / f"{pol}.jsonl"))
             wall = time.monotonic() - t0
             cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(pgids).items()}
             live = summarize_records(records, policy=pol)
-            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), cal.profile, pol, engines, rate,
+            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), profile, pol, engines, rate,
                                 seed, 1e9)
-            cond = {"load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "replay_wall_s": round(wall, 2),
+            cond = {"idle_path_pre_s": idle.pre, "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "replay_wall_s": round(wall, 2),
                     "cpu_s": cpu}
             points.append(RealPoint(pol, live, sim, path, cond))
             print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
