@@ -5,6 +5,7 @@ waits between turns."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,15 @@ import pytest
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
 from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
-from smetric_lmc.replay.validate import measure_path, small_workload, with_turnaround
+from smetric_lmc.replay.validate import (
+    RequestPath,
+    decode_s_per_token,
+    fit_under_load,
+    measure_path,
+    slowed,
+    small_workload,
+    with_turnaround,
+)
 from smetric_lmc.sim.profile import load_profile
 
 # Two lines as vLLM 0.32's API server logs them at startup (shortened; the dict is its repr).
@@ -91,3 +100,21 @@ def test_request_path_is_measured_from_tiny_requests(tmp_path: Path) -> None:
             assert path.turnaround == pytest.approx(path.pre + path.post)
 
     asyncio.run(serve())
+
+
+def test_fit_under_load_recovers_a_known_slowdown_and_path() -> None:
+    """A stand-in for a calibration replay: the simulator itself with every iteration 2.5x slower and a
+    40 ms request path before the first token (as a client measures TTFT: from the send). Fitted from
+    the idle profile (a tiny model on a CPU, as calibrated here) and a 5 ms idle path, both come back."""
+    wl = small_workload(16, 8, 0.03, 0.03, seed=1)
+    idle = with_kv_tokens(load_profile().with_overrides(
+        total_params=1.38e6, active_params=1.38e6, bytes_per_param=4.0, layers=2, q_heads=2, kv_heads=2, head_dim=64,
+        kv_bytes_per_elem=4.0, max_model_len=2048, peak_flops=2.1e11, hbm_bw=3.7e9, compute_eff=1.0, mem_eff=1.0,
+        tp=1, tp_eff=1.0, iter_overhead_s=0.0034, max_num_seqs=128, max_num_batched_tokens=2048), 524288)
+    pre, post = 0.040, 0.002
+    truth = simulate_like(with_turnaround(wl, pre + post, 0.0), slowed(idle, 2.5), "load_balance", 2, 4.0, 1, 1e9)
+    live = dataclasses.replace(truth, summary={**truth.summary, "ttft_p50": truth.summary["ttft_p50"] + pre})
+    fit = fit_under_load(wl, live, idle, RequestPath(0.005, post), "load_balance", 2, 4.0, 1, 0.0)
+    assert fit.slowdown == pytest.approx(2.5, rel=0.03)
+    assert fit.pre == pytest.approx(pre, abs=0.003)
+    assert decode_s_per_token(fit.sim) == pytest.approx(decode_s_per_token(truth), rel=0.03)

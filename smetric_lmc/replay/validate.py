@@ -130,24 +130,34 @@ class LoadedFit:
 
 
 def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: RequestPath, policy: str,
-                   engines: int, rate: float, seed: int, max_think_s: float, rounds: int = 4) -> LoadedFit:
+                   engines: int, rate: float, seed: int, max_think_s: float, rounds: int = 3) -> LoadedFit:
     """Fit two numbers on a calibration replay (another workload, replayed like the validation's):
     how much slower the engines' iterations run while the whole stack shares the machine (decode
     time per token, live over simulated) and the request path before the first token under that
     concurrency (live TTFT p50 minus the simulated engine's). The idle-engine probes miss both: on a
-    CPU the API servers, gateway, controller and client take the cores the iterations run on."""
+    CPU the API servers, gateway, controller and client take the cores the iterations run on.
+
+    Well posed where a decode step is mostly fixed cost (this CPU engine: the fit recovers a known
+    slowdown within a few percent); where long prefill chunks share steps with decodes (a large
+    model), decode time per token jumps with which requests overlap and the fit is ill posed."""
     d_live = decode_s_per_token(live)
     ttft_live = float(live.summary["ttft_p50"])
+
+    def run(factor: float, pre: float) -> SimResult:
+        return simulate_like(with_turnaround(cal_wl, pre + path.post, max_think_s), slowed(profile, factor), policy,
+                             engines, rate, seed, 1e9)
+
     factor, pre = 1.0, path.pre
-    sim = None
     for _ in range(rounds):
-        prof = slowed(profile, factor)
-        sim = simulate_like(with_turnaround(cal_wl, pre + path.post, max_think_s), prof, policy, engines, rate,
-                            seed, 1e9)
-        factor *= d_live / decode_s_per_token(sim)
-        pre = max(0.0, ttft_live - float(sim.summary["ttft_p50"]))
-    assert sim is not None
-    return LoadedFit(slowed(profile, factor), factor, pre, live, sim)
+        # Bisection on a log scale: decode time per token grows with the factor, but in steps (which
+        # decodes share an iteration with a prefill changes), so a fixed-point iteration oscillates.
+        lo, hi = np.log(1 / 16), np.log(64.0)
+        for _ in range(16):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if decode_s_per_token(run(float(np.exp(mid)), pre)) < d_live else (lo, mid)
+        factor = float(np.exp((lo + hi) / 2))
+        pre = max(0.0, ttft_live - float(run(factor, pre).summary["ttft_p50"]))
+    return LoadedFit(slowed(profile, factor), factor, pre, live, run(factor, pre))
 
 
 def measure_path(gateway: str, cal: Calibration, n: int = 9) -> RequestPath:
@@ -264,6 +274,7 @@ def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url:
 
 
 DEFAULT_POLICIES = ("smetric", "load_balance", "cache_first")
+CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as most policies do
 
 
 def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
@@ -300,41 +311,37 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         warm_up(gateway, route_url)
         wl = small_workload(sessions, turns, context_scale, output_scale, seed)
         pgids = {e.instance_id: e.process.pid for e in running} | {"controller": procs[0].pid, "gateway": procs[1].pid}
-        # Calibration replay: another workload (other sessions), the same knobs, a neutral policy.
-        cal_pol = "load_balance"
-        _set_policy(config_path, data, cal_pol, route_url)
-        _reset_caches(running)
-        idle_path = measure_path(gateway, cal)
         cal_wl = small_workload(sessions, turns, context_scale, output_scale, seed + 1)
-        cal_records = replay(cal_wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed + 1,
-                                                  records=work / "calibration-replay.jsonl"))
-        loaded = fit_under_load(cal_wl, summarize_records(cal_records, policy=cal_pol), cal.profile, idle_path,
-                                cal_pol, engines, rate, seed + 1, max_think_s)
-        profile = loaded.profile
-        write_profile(profile, work / "calibrated-under-load.yaml")
-        print(f"calibration replay ({cal_pol}, workload seed {seed + 1}): decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
-              f"ms/token live vs {decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit: engine iterations "
-              f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token {loaded.pre * 1e3:.1f} ms "
-              f"under load ({idle_path.pre * 1e3:.1f} ms idle); TTFT p50 live {loaded.live.summary['ttft_p50']:.3f} s",
-              flush=True)
         points: list[RealPoint] = []
         for pol in policies:
-            _set_policy(config_path, data, pol, route_url)
+            # Calibration replay just before (the machine's load drifts within a minute): another
+            # workload (other sessions, other placement), the same knobs, a neutral policy.
+            _set_policy(config_path, data, CALIBRATION_POLICY, route_url)
             _reset_caches(running)
             idle = measure_path(gateway, cal)
+            cal_records = replay(cal_wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed + 1,
+                                                      records=work / f"calibration-before-{pol}.jsonl"))
+            loaded = fit_under_load(cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY), cal.profile,
+                                    idle, CALIBRATION_POLICY, engines, rate, seed + 1, max_think_s)
+            write_profile(loaded.profile, work / f"calibrated-under-load-{pol}.yaml")
             path = RequestPath(loaded.pre, idle.post)
-            print(f"{pol}: idle request path {idle.pre * 1e3:.1f} ms before the first token, {idle.post * 1e3:.1f} ms "
-                  f"after the last; simulated with {path.pre * 1e3:.1f} ms before (calibration replay)", flush=True)
+            print(f"{pol}: calibration replay: decode {decode_s_per_token(loaded.live) * 1e3:.2f} ms/token live "
+                  f"({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
+                  f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token "
+                  f"{loaded.pre * 1e3:.1f} ms ({idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last",
+                  flush=True)
+            _set_policy(config_path, data, pol, route_url)
+            _reset_caches(running)
             cpu0, load0, t0 = _cpu_seconds(pgids), os.getloadavg()[0], time.monotonic()
             records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
                                               records=work / f"{pol}.jsonl"))
             wall = time.monotonic() - t0
             cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(pgids).items()}
             live = summarize_records(records, policy=pol)
-            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), profile, pol, engines, rate,
-                                seed, 1e9)
-            cond = {"idle_path_pre_s": idle.pre, "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "replay_wall_s": round(wall, 2),
-                    "cpu_s": cpu}
+            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), loaded.profile, pol, engines,
+                                rate, seed, 1e9)
+            cond = {"idle_path_pre_s": idle.pre, "slowdown": loaded.slowdown, "replay_wall_s": round(wall, 2),
+                    "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "cpu_s": cpu}
             points.append(RealPoint(pol, live, sim, path, cond))
             print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
                   f"{live.summary['failed']} failed; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
@@ -372,14 +379,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def conditions_table(rows: list[dict[str, Any]]) -> str:
-    """What each replay ran under: the measured request path, the machine's load, who used the CPU."""
+    """What each replay ran under: the fitted engine slowdown and request path (calibration replay), the
+    idle path, the machine's load, who used the CPU."""
     names = sorted({k for r in rows for k in r["cpu_s"]})
-    head = ["policy", "path pre (ms)", "post (ms)", "load avg 1m (start, end)", "replay wall (s)",
+    head = ["policy", "slowdown", "path pre (ms)", "idle", "post (ms)", "load avg 1m (start, end)", "replay wall (s)",
             *(f"CPU s {n}" for n in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         la = r["load_avg_1m"]
-        lines.append(f"| {r['policy']} | {r['path_pre_s'] * 1e3:.1f} | {r['path_post_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['policy']} | {r['slowdown']:.2f} | {r['path_pre_s'] * 1e3:.1f} | "
+                     f"{r['idle_path_pre_s'] * 1e3:.1f} | {r['path_post_s'] * 1e3:.1f} | "
                      f"{la[0]:.1f}, {la[1]:.1f} | {r['replay_wall_s']:.1f} | "
                      + " | ".join(f"{r['cpu_s'].get(n, 0.0):.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
