@@ -1,18 +1,19 @@
 """``smetric sim validate``: the simulator against real vLLM engines on this machine.
 
-Starts N vLLM CPU engines (tiny local model) with the controller and the gateway (the ``smetric
-up`` machinery), calibrates a profile on engine 0, then per policy: clears every engine's prefix
-cache, switches the controller's policy (hot reload), replays one small workload through the
-gateway, and simulates the same workload with the calibrated profile. Live and simulated runs are
-compared on throughput (tokens over the run), TTFT p50, local-hit ratio, stickiness and
-route-reason mix; the policies are ranked by throughput in both.
+Starts N vLLM CPU engines (tiny local model, every thread of engine i on core i) with the controller
+and the gateway (the ``smetric up`` machinery) and profiles engine 0 idle (``calibrate``). Then per
+policy: a calibration replay (caches cleared, ``load_balance``, another workload) fits how much
+slower the engines run under the live stack and the request path under that load
+(``fit_under_load``); then every prefix cache is cleared, the controller's policy switched (hot
+reload), the validation workload replayed through the gateway and simulated with the fitted profile.
+Live and simulated runs are compared on throughput (tokens over the run), TTFT p50, local-hit ratio,
+stickiness and route-reason mix; the policies are ranked by throughput in both.
 
 The simulator models the engines' iterations only. What a live request spends outside them (client,
-gateway, controller, vLLM's API server and engine-core hand-offs: the *request path*) is measured with
-calibration requests just before each policy's replay: tiny requests through the gateway give the time
-to the first token beyond one modelled iteration (``pre``) and from the last token to the end of the
-stream (``post``). A closed-loop session waits ``pre + post`` between a reply and its next request's
-first iteration, so the simulated sessions get it as think time; simulated TTFTs get ``pre`` added.
+gateway, controller, vLLM's API server and engine-core hand-offs: the *request path*) is ``pre``
+(send to first token, beyond the first iteration) and ``post`` (last token to the end of the
+stream). A closed-loop session waits ``pre + post`` between a reply and its next request's first
+iteration, so the simulated sessions get it as think time; simulated TTFTs get ``pre`` added.
 """
 
 from __future__ import annotations
