@@ -41,6 +41,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,7 @@ class Gateway:
         controller_retry_s: float = 2.0,
         upstream_timeout_s: float = 600.0,
         connect_timeout_s: float = 3.0,
+        tokenize_timeout_s: float = 10.0,
     ) -> None:
         if not cfg.instances:
             raise ValueError("the gateway needs at least one instance in the config")
@@ -133,7 +135,13 @@ class Gateway:
         self._rr = itertools.count()
         self.route_timeout_s = route_timeout_s
         self.controller_retry_s = controller_retry_s
-        self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=connect_timeout_s)
+        # ``connect`` bounds getting a connection at all (name resolution included), not only the
+        # TCP handshake; ``total`` bounds the whole answer (a long non-streamed generation sends
+        # nothing before it ends, so there is no tighter bound on the first byte).
+        self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, connect=connect_timeout_s,
+                                              sock_connect=connect_timeout_s)
+        self._short_timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s, connect=connect_timeout_s)
+        self.tokenize_timeout_s = tokenize_timeout_s
         # The config's hashing until the controller's stats reply says what its index uses.
         self.hashing = HashSettings.from_config(cfg)
         self._hf = _load_hf(tokenizer_dir) if tokenizer_dir else None
@@ -163,10 +171,15 @@ class Gateway:
         return app
 
     async def _startup(self, _app: web.Application) -> None:
-        # auto_decompress=False: the client gets the engine's bytes exactly as sent.
-        self._http = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
+        # auto_decompress=False: the client gets the engine's bytes exactly as sent. limit=0: no cap
+        # on connections to the engines. aiohttp's default (about 100 in use at once) made further
+        # concurrent requests wait, silently, for earlier ones to end (minutes for long generations)
+        # before they could reach any engine; the engines queue requests themselves.
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
+                                           auto_decompress=False)
         self._client = AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
-        self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf)
+        self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf,
+                                    timeout_s=self.tokenize_timeout_s, metrics=self.metrics)
         await self._adopt_hashing()
         log.info("gateway: controller=%s instances=%s block_size=%d tokenizer=%s", self.controller_url,
                  ",".join(self._by_id), self.hashing.block_size, "hf" if self._hf else "engine /tokenize")
@@ -220,14 +233,15 @@ class Gateway:
         errors = []
         for inst in self._order_from(None):
             try:
-                async with self._http.get(f"{inst.http.rstrip('/')}/v1/models",
-                                          headers=_forward_headers(request)) as up:
+                async with self._http.get(f"{inst.http.rstrip('/')}/v1/models", headers=_forward_headers(request),
+                                          timeout=self._short_timeout) as up:
                     body = await up.read()
                     if up.status < 500:
                         return web.Response(body=body, status=up.status, headers=_response_headers(up))
                     errors.append(f"{inst.id}: HTTP {up.status}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 errors.append(f"{inst.id}: {_describe(exc)}")
+            log.warning("gateway: /v1/models failed on instance=%s: %s", inst.id, errors[-1])
         return _error(502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error")
 
     async def _healthz(self, _request: web.Request) -> web.Response:
@@ -240,12 +254,13 @@ class Gateway:
         self.counters["requests"] += 1
         rid = f"gw-{uuid.uuid4().hex}"
         t0 = time.monotonic()
-        raw = await request.read()
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
+            with self._stage("read"):
+                raw = await request.read()
+                body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise BadRequest("the request body must be a JSON object")
+                info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
             # A client that knows its session's cached history (a trace replay) may say so.
             est = parse_turn_header(request.headers.get("X-SMetric-Est-Hit"), "X-SMetric-Est-Hit")
             if est is not None:
@@ -255,6 +270,8 @@ class Gateway:
         t_read = time.monotonic()
         target = await self._decide(rid, info)
         t_route = time.monotonic()
+        log.debug("gateway: request=%s routed to instance=%s reason=%s fallback=%s read_s=%.3f route_s=%.3f",
+                  rid, target.instance_id, target.reason, target.fallback, t_read - t0, t_route - t_read)
         if t_route - t0 > SLOW_ROUTING_S:
             log.warning("gateway: slow routing request=%s tokenize_s=%.2f route_s=%.2f", rid, t_read - t0,
                         t_route - t_read)
@@ -280,6 +297,22 @@ class Gateway:
                 return _error(502, f"instance {failed} failed ({first}); retry on instance "
                               f"{second_target.instance_id} failed ({second})", "upstream_error")
 
+    @contextlib.contextmanager
+    def _stage(self, stage: str) -> Iterator[None]:
+        """Count the request in ``stage`` (``smetric_gateway_requests_in_stage``) while it is there."""
+        self._enter_stage(stage)
+        try:
+            yield
+        finally:
+            self._leave_stage(stage)
+
+    def _enter_stage(self, stage: str) -> str:
+        self.metrics.in_stage.labels(stage=stage).inc()
+        return stage
+
+    def _leave_stage(self, stage: str) -> None:
+        self.metrics.in_stage.labels(stage=stage).dec()
+
     # ---- routing --------------------------------------------------------------------------------
     def _controller_usable(self) -> bool:
         return asyncio.get_running_loop().time() >= self._controller_down_until
@@ -294,6 +327,8 @@ class Gateway:
         if not self._controller_down:
             log.warning("gateway: controller at %s unavailable (%s): round-robin over %d configured "
                         "instances until it answers", self.controller_url, why, len(self.instances))
+        else:  # a probe after --controller-retry-s (or a call that was already waiting) failed too
+            log.info("gateway: controller at %s still unavailable (%s)", self.controller_url, why)
         self._controller_down = True
         self._controller_down_until = asyncio.get_running_loop().time() + self.controller_retry_s
 
@@ -349,7 +384,8 @@ class Gateway:
         return f"controller_error:{exc.code}"
 
     async def _decide(self, rid: str, info: PromptInfo, exclude: str | None = None) -> Target:
-        d = await self._ask_controller(rid, info)
+        with self._stage("route"):
+            d = await self._ask_controller(rid, info)
         if isinstance(d, RouteDecision):
             if d.instance_id != exclude:
                 self.counters["routed"] += 1
@@ -393,13 +429,18 @@ class Gateway:
         self.metrics.attempt_started(target.instance_id)
         url = target.endpoint.rstrip("/") + path
         resp: web.StreamResponse | None = None
+        stage = self._enter_stage("upstream")
         try:
             async with self._http.post(url, data=raw, headers=_forward_headers(request)) as up:
                 att.status = up.status
+                log.debug("gateway: request=%s instance=%s answered HTTP %d after %.3f s", rid, target.instance_id,
+                          up.status, time.monotonic() - att.started)
                 if up.status >= 500:
                     detail = (await up.content.read(2000)).decode("utf-8", "replace")
                     att.error = f"HTTP {up.status}: {detail.strip()[:300]}"
                     raise UpstreamFailed(att.error)
+                self._leave_stage(stage)
+                stage = self._enter_stage("respond")
                 headers = _response_headers(up)
                 headers.update(_decision_headers(target, rid, retried_from))
                 resp = web.StreamResponse(status=up.status, headers=headers)
@@ -442,6 +483,7 @@ class Gateway:
             att.error = _describe(exc)
             return await self._broken(request, resp, att)
         finally:
+            self._leave_stage(stage)
             self._finish(att, info)
 
     def _upstream_failed(self, att: Attempt) -> None:
@@ -504,9 +546,11 @@ class Gateway:
         try:
             await self._client.prefilled(route_id, instance_id=instance_id)
             self.counters["prefilled_reports"] += 1
+            self.metrics.observe_prefilled(True)
         except RouteError as exc:  # the engine-metrics fallback covers it; not worth failing over
             self.counters["prefilled_failures"] += 1
-            log.debug("gateway: prefilled report for %s not delivered: %s", route_id, exc)
+            self.metrics.observe_prefilled(False)
+            log.warning("gateway: prefilled report for %s not delivered: %s", route_id, exc)
 
     async def _send_done(self, route_id: str, **kw: Any) -> None:
         assert self._client is not None
@@ -620,6 +664,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--controller-retry-s", type=float, default=2.0,
                    help="after the controller failed to answer, route round-robin this long before asking again")
     p.add_argument("--upstream-timeout-s", type=float, default=600.0, help="limit for one proxied request")
+    p.add_argument("--connect-timeout-s", type=float, default=3.0,
+                   help="limit for opening a connection to an engine (then the request is retried elsewhere)")
+    p.add_argument("--tokenize-timeout-s", type=float, default=10.0,
+                   help="limit for one engine /tokenize call (then the next engine is asked)")
     p.set_defaults(func=run_gateway)
 
 
@@ -627,7 +675,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         gw = Gateway(cfg, args.controller, tokenizer_dir=args.tokenizer, route_timeout_s=args.route_timeout_s,
-                     controller_retry_s=args.controller_retry_s, upstream_timeout_s=args.upstream_timeout_s)
+                     controller_retry_s=args.controller_retry_s, upstream_timeout_s=args.upstream_timeout_s,
+                     connect_timeout_s=args.connect_timeout_s, tokenize_timeout_s=args.tokenize_timeout_s)
     except (ConfigError, ValueError) as exc:
         log.error("gateway: bad config: %s", exc)
         return 2

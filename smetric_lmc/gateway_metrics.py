@@ -36,6 +36,10 @@ TPOT_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.0
 
 NO_INSTANCE = "none"
 FUNNEL_STAGES = ("prompt", "est_hit", "predicted_local", "engine_cached")
+#: Where a client request is now: reading its body and tokenizing the prompt, asking the
+#: controller, waiting for the engine's response headers (connect included), streaming the answer.
+REQUEST_STAGES = ("read", "route", "upstream", "respond")
+TOKENIZE_OUTCOMES = ("timeout", "error", "status", "rejected")
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,6 +137,29 @@ class GatewayMetrics:
         self.client_disconnects = Counter(
             "smetric_gateway_client_disconnects", "Clients that went away mid-response", registry=r
         )
+        self.prefilled_reports = Counter(
+            "smetric_gateway_prefilled_reports", "Prefilled reports sent to the controller, by result", ["result"],
+            registry=r,
+        )
+        # A request that stops somewhere shows here as a stage that does not drain.
+        self.in_stage = Gauge(
+            "smetric_gateway_requests_in_stage",
+            "Client requests being handled, by the stage they are in now: read (body and engine "
+            "/tokenize), route (controller), upstream (connecting to the engine and waiting for its "
+            "response headers), respond (streaming the answer back)",
+            ["stage"], registry=r,
+        )
+        self.tokenize_failures = Counter(
+            "smetric_gateway_tokenize_failures",
+            "Engine /tokenize calls that returned no token ids, by outcome: timeout, error (transport or "
+            "unreadable body), status (5xx: the next engine is tried), rejected (4xx: the request itself)",
+            ["outcome"], registry=r,
+        )
+        self.untokenized = Counter(
+            "smetric_gateway_untokenized_prompts",
+            "Prompts no engine tokenized (a request's, or its history's for est_hit), estimated instead",
+            registry=r,
+        )
         self._zero_series(instances)
 
     def _zero_series(self, instances: Sequence[str]) -> None:
@@ -150,6 +177,11 @@ class GatewayMetrics:
             self.fallback_routes.labels(cause=cause)
         for result in ("delivered", "failed"):
             self.done_reports.labels(result=result)
+            self.prefilled_reports.labels(result=result)
+        for stage in REQUEST_STAGES:
+            self.in_stage.labels(stage=stage)
+        for outcome in TOKENIZE_OUTCOMES:
+            self.tokenize_failures.labels(outcome=outcome)
         for outcome in ("ok", "timeout", "error"):
             self.route_rtt.labels(outcome=outcome)
 
@@ -199,9 +231,15 @@ class GatewayMetrics:
     def observe_done(self, delivered: bool) -> None:
         self.done_reports.labels(result="delivered" if delivered else "failed").inc()
 
+    def observe_prefilled(self, delivered: bool) -> None:
+        self.prefilled_reports.labels(result="delivered" if delivered else "failed").inc()
+
+    def observe_tokenize_failure(self, outcome: str) -> None:
+        self.tokenize_failures.labels(outcome=outcome).inc()
+
     # ---- HTTP --------------------------------------------------------------------------------------
     async def handle(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-__all__ = ["FUNNEL_STAGES", "AttemptRecord", "GatewayMetrics"]
+__all__ = ["FUNNEL_STAGES", "REQUEST_STAGES", "TOKENIZE_OUTCOMES", "AttemptRecord", "GatewayMetrics"]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from smetric_lmc.gateway_metrics import GatewayMetrics
 from smetric_lmc.session import ChatTokenEstimator, HFChatTokenizer, Message, history_of, turn_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class PromptReader:
         http: aiohttp.ClientSession,
         hf: HFChatTokenizer | None = None,
         timeout_s: float = 10.0,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._urls = [u.rstrip("/") for u in tokenize_urls]
         # Tokenizing on a saturated engine can take seconds (its API server shares the CPU with
@@ -77,6 +79,7 @@ class PromptReader:
         self._http = http
         self._hf = hf
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._metrics = metrics
         # The one estimate for prompts no tokenizer counted, calibrated on the ones that were.
         self.estimator = ChatTokenEstimator()
         self.counters = {"tokenize_calls": 0, "tokenize_failures": 0, "untokenized": 0}
@@ -143,7 +146,11 @@ class PromptReader:
 
     # ---- engine /tokenize ---------------------------------------------------------------------
     async def _tokenize(self, payload: dict[str, Any]) -> list[int] | None:
-        """Token ids from the first engine that answers; None when none does."""
+        """Token ids from the first engine that answers; None when none does.
+
+        Every call has its own deadline (``timeout_s``) and every failed one is counted by outcome
+        (``smetric_gateway_tokenize_failures_total``) and logged; a prompt none tokenized is
+        estimated instead (``smetric_gateway_untokenized_prompts_total``)."""
         if not self._urls:
             return None
         payload = {k: v for k, v in payload.items() if v is not None}
@@ -158,15 +165,30 @@ class PromptReader:
                         return [int(t) for t in data["tokens"]]
                     if 400 <= resp.status < 500:
                         # The engine rejects the request itself; it will reject the real call too.
-                        self.counters["tokenize_failures"] += 1
-                        self.counters["untokenized"] += 1
-                        return None
+                        log.info("tokenize rejected url=%s status=%s: routing on the estimate", url, resp.status)
+                        self._failed("rejected")
+                        return self._untokenized()
                     log.warning("tokenize failed url=%s status=%s", url, resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    self._failed("status")
+            except asyncio.TimeoutError:
+                self._observe(url, self._timeout.total or 10.0)
+                log.warning("tokenize failed url=%s: no answer within %.1f s", url, self._timeout.total or 0.0)
+                self._failed("timeout")
+            except (aiohttp.ClientError, ValueError) as exc:
                 self._observe(url, self._timeout.total or 10.0)
                 log.warning("tokenize failed url=%s error=%s", url, exc or type(exc).__name__)
-            self.counters["tokenize_failures"] += 1
+                self._failed("error")
+        return self._untokenized()
+
+    def _failed(self, outcome: str) -> None:
+        self.counters["tokenize_failures"] += 1
+        if self._metrics is not None:
+            self._metrics.observe_tokenize_failure(outcome)
+
+    def _untokenized(self) -> None:
         self.counters["untokenized"] += 1
+        if self._metrics is not None:
+            self._metrics.untokenized.inc()
         return None
 
     def _order(self) -> list[str]:

@@ -59,6 +59,7 @@ class FakeEngine:
     hold_after_done: bool = False  # everything up to [DONE] is sent, the end of the body waits
     die_mid_stream: bool = False
     tokenize_broken: bool = False
+    tokenize_delay_s: float = 0.0  # a saturated engine's API server: /tokenize answers late
     received: list[dict[str, Any]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -82,6 +83,7 @@ class FakeEngine:
     async def tokenize(self, request: web.Request) -> web.Response:
         if self.tokenize_broken:
             return web.json_response({"error": "tokenizer unavailable"}, status=503)
+        await asyncio.sleep(self.tokenize_delay_s)
         body = await request.json()
         if "messages" in body:
             text = render(body["messages"], body.get("add_generation_prompt", True))
@@ -166,7 +168,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
 
     async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
                     extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None,
-                    dead_replica: bool = False) -> Stack:
+                    dead_replica: bool = False, gateway_kw: dict[str, Any] | None = None) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -201,7 +203,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         gw_cfg = parse_config({**raw, "hashing": gateway_hashing}) if gateway_hashing is not None else cfg
         # dead_replica: the gateway lists a controller replica nobody answers at, before the real one.
         urls = f"tcp://127.0.0.1:{free_ports(1)[0]},{cfg.server.route_url}" if dead_replica else None
-        gw = Gateway(gw_cfg, urls, route_timeout_s=0.3, controller_retry_s=30.0)
+        gw = Gateway(gw_cfg, urls, **{"route_timeout_s": 0.3, "controller_retry_s": 30.0, **(gateway_kw or {})})
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]
