@@ -151,6 +151,7 @@ class Gateway:
         self._controller_down_until = 0.0
         self._controller_down = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._failure_reports: dict[str, asyncio.Task[Any]] = {}  # route id -> its done report, in flight
         self.counters: dict[str, int] = {
             "requests": 0, "routed": 0, "fallback_routes": 0, "retries": 0, "upstream_failures": 0,
             "bad_gateway": 0, "done_reports": 0, "done_failures": 0, "client_disconnects": 0,
@@ -192,10 +193,11 @@ class Gateway:
         if self._http is not None:
             await self._http.close()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _adopt_hashing(self) -> bool:
         """Take every hashing field from the controller's ``stats``, so client-side hashes match its
@@ -281,6 +283,11 @@ class Gateway:
             self.counters["retries"] += 1
             failed = target.instance_id
             self.metrics.observe_retry(failed)
+            # The controller learns of a dead engine from this report: deliver it before routing the
+            # retry (or answering), so neither this request nor the client's next lands there again.
+            report = self._failure_reports.pop(rid, None)
+            if report is not None:
+                await asyncio.wait([report])
             second_target = await self._retry_target(rid, info, failed)
             if second_target is None:
                 self.counters["bad_gateway"] += 1
@@ -534,12 +541,16 @@ class Gateway:
             s.output_tokens() if s else 0, t.est_hit_tokens, t.local_hit_tokens, s.cached_tokens() if s else None))
         if t.route_id is None:  # not counted by the controller: nothing to release
             return
-        self._spawn(self._send_done(
+        report = self._spawn(self._send_done(
             t.route_id, instance_id=t.instance_id, prompt_tokens=prompt,
             output_tokens=s.output_tokens() if s else 0, cached_tokens=s.cached_tokens() if s else None,
             ttft_s=(att.first_byte - att.started) if att.first_byte else None, e2e_s=now - att.started, ok=att.ok,
             **({"error": att.engine_error} if att.engine_error else {}),
         ))
+        if not att.ok:  # awaited by a retry; gone from here once delivered
+            key = t.route_id
+            self._failure_reports[key] = report
+            report.add_done_callback(lambda _t: self._failure_reports.pop(key, None))
 
     async def _send_prefilled(self, route_id: str, instance_id: str) -> None:
         assert self._client is not None

@@ -5,6 +5,8 @@ answer with OpenAI-shaped bodies whose ``cached_tokens`` the test knows: 32 for 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import test_gateway
 from scrape import Scrape, scrape
@@ -19,6 +21,18 @@ FOLLOW = [*MSGS, {"role": "assistant", "content": "hello"}, {"role": "user", "co
 
 async def _metrics(s: Stack) -> Scrape:
     return await scrape(s.http, f"{s.base}/metrics")
+
+
+async def _metrics_once_delivered(s: Stack, n: int, timeout_s: float = 10.0) -> Scrape:
+    """A scrape taken once the gateway counted ``n`` delivered done reports: the controller holds a
+    report a moment before the gateway reads its ack, so ``wait_dones`` alone races the counter."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        m = await _metrics(s)
+        if m.value("smetric_gateway_done_reports_total", result="delivered") >= n:
+            return m
+        assert asyncio.get_running_loop().time() < deadline, "the gateway never counted its done reports"
+        await asyncio.sleep(0.02)
 
 
 async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory) -> None:
@@ -56,7 +70,7 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     predicted = len(hist) // BLOCK * BLOCK
     assert int(resp.headers["X-SMetric-Local-Hit"]) == predicted
     await s.wait_dones(2)
-    m2 = await _metrics(s)
+    m2 = await _metrics_once_delivered(s, 2)
     funnel = "smetric_gateway_cache_funnel_tokens_total"
     assert m2.value(funnel, backend="e1", stage="predicted_local") == predicted
     assert m2.value(funnel, backend="e1", stage="est_hit") == predicted
@@ -71,7 +85,7 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     await resp.read()
     inst = resp.headers["X-SMetric-Instance"]
     await s.wait_dones(3)
-    m3 = await _metrics(s)
+    m3 = await _metrics_once_delivered(s, 3)
     assert m3.value("smetric_gateway_ttft_seconds_count", backend=inst) == 1
     assert m3.value("smetric_gateway_tpot_seconds_count", backend=inst) == 1
     ttft = m3.value("smetric_gateway_ttft_seconds_sum", backend=inst)
