@@ -34,6 +34,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 #: vLLM's /metrics is ~100 KiB; anything far larger is not an engine we understand.
 MAX_BODY_BYTES = 8 << 20
+RECONCILE_SLICE = 1024  # in-flight entries healed or inferred per slice of the loop (see LoadTracker.reconcile)
 
 
 class EngineMetricsError(ValueError):
@@ -169,7 +170,13 @@ class EngineMetricsPoller:
         st.consecutive_failures = 0
         st.engine_requests = count
         st.last_ok = time.monotonic()
-        healed = self.load.reconcile(instance_id, count, grace_s=self.grace_s, engine_waiting=waiting)
+        # Bounded slices (a poll after many lost done reports heals thousands), yielding between.
+        healed = self.load.reconcile(instance_id, count, grace_s=self.grace_s, engine_waiting=waiting,
+                                     budget=RECONCILE_SLICE)
+        while self.load.reconcile_left:
+            await asyncio.sleep(0)
+            healed += self.load.reconcile(instance_id, count, grace_s=self.grace_s, engine_waiting=waiting,
+                                          budget=RECONCILE_SLICE)
         if healed:
             st.healed += healed
             log.info("engine metrics: healed lost done reports instance=%s released=%d engine_requests=%d",
