@@ -43,10 +43,11 @@ MAX_HASH_CHAINS = 4
 RouteInputs = tuple[list[int], list[int] | None, int]
 
 
-def decode_checked(payload: bytes) -> Any:
-    """``decode_request`` with nesting deeper than the interpreter allows reported as a WireError."""
+def decode_checked(payload: bytes, max_bytes: int) -> Any:
+    """``decode_request`` (size cap ``max_bytes``: the configured ``limits.max_frame_bytes``) with
+    nesting deeper than the interpreter allows reported as a WireError."""
     try:
-        return decode_request(payload)
+        return decode_request(payload, max_bytes)
     except RecursionError:  # msgspec follows nesting with the interpreter's recursion limit
         raise WireError("bad_request", "nesting too deep") from None
 
@@ -147,7 +148,7 @@ def route_inputs(req: RouteRequest, hs: HashSettings, lim: LimitsConfig, fast_ro
 def prepare_frame(payload: bytes, hs: HashSettings, lim: LimitsConfig, fast_root: int) -> tuple[Any, ...]:
     """Decode, check and hash one frame (runs in the worker process; see the module docstring)."""
     try:
-        req = decode_checked(payload)
+        req = decode_checked(payload, lim.max_frame_bytes)
     except WireError as exc:
         return ("error", exc.code, str(exc), None, False)
     if not isinstance(req, RouteRequest):

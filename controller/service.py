@@ -64,8 +64,24 @@ log = logging.getLogger(__name__)
 
 #: Envelope frames a peer may put before the delimiter (proxies add one per hop).
 MAX_ENVELOPE_FRAMES = 8
-#: Frames up to this many times the limit get a "too_large" reply; larger ones are cut by ZMQ.
-TRANSPORT_CAP_FACTOR = 4
+
+
+class Oversize(bytes):
+    """Stands for a received frame over the size limit: its first byte (JSON or msgpack, for the
+    reply's encoding) and its ``size``; the frame itself is released unread, never copied."""
+
+    size: int
+
+    @classmethod
+    def of(cls, frame: zmq.Frame) -> Oversize:
+        o = cls(frame.buffer[:1])
+        o.size = len(frame)
+        return o
+
+
+def frames_within(raw: Sequence[zmq.Frame], limit: int) -> list[bytes]:
+    """A message received with ``copy=False`` as bytes, frames over ``limit`` as ``Oversize``."""
+    return [f.bytes if len(f) <= limit else Oversize.of(f) for f in raw]
 
 
 class RouteCore:
@@ -174,7 +190,7 @@ class RouteCore:
         """
         t0 = time.perf_counter()
         try:
-            req = decode_checked(payload)
+            req = decode_checked(payload, self.limits.max_frame_bytes)
         except WireError as exc:
             return self._finish(self._error(exc.code, str(exc), None), None, is_json(payload), t0)
         return self.answer(req, is_json(payload), t0=t0)
@@ -432,9 +448,9 @@ class RouteService:
                 self._zap = ZapAllowList(zmq.Context.shadow(self._own_ctx.underlying), self._client_keys)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # The transport's hard cap, far above the checked limit: ZMQ cuts the connection on
-        # anything larger without buffering it, while frames between the two get "too_large".
-        sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_CAP_FACTOR * self.max_frame_bytes + 65536)
+        # No transport cap (ZMQ_MAXMSGSIZE would cut the peer's connection unanswered): every
+        # frame over the limit is received uncopied, answered "too_large" and counted. ZMQ holds
+        # such a frame while it arrives, the peer's own bytes, and frees it once answered.
         if secret and public:
             sock.curve_server = True
             sock.curve_secretkey = secret.encode()
@@ -489,7 +505,7 @@ class RouteService:
         self._prep.start()
         while not self._closing:
             try:
-                frames = await sock.recv_multipart()
+                frames = frames_within(await sock.recv_multipart(copy=False), self.max_frame_bytes)
             except asyncio.CancelledError:
                 if self._closing:
                     return
@@ -511,7 +527,7 @@ class RouteService:
                 while len(self._offloaded) >= self.MAX_OFFLOADED:
                     await asyncio.wait(self._offloaded, return_when=asyncio.FIRST_COMPLETED)
                 try:
-                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                    frames = frames_within(sync.recv_multipart(zmq.NOBLOCK, copy=False), self.max_frame_bytes)
                 except zmq.ZMQError:  # zmq.Again: drained
                     break
 
@@ -577,9 +593,10 @@ class RouteService:
             self.counters["bad_frames"] += 1
             msg = "expected [identity, (envelope..., ''), payload]: one payload frame"
             return prefix, None, [*prefix, self.core.error_frame("bad_request", msg)]
-        if len(payload) > self.max_frame_bytes:
+        if isinstance(payload, Oversize) or len(payload) > self.max_frame_bytes:
             self.counters["too_large"] += 1
-            msg = f"frame of {len(payload)} bytes exceeds {self.max_frame_bytes}"
+            size = payload.size if isinstance(payload, Oversize) else len(payload)
+            msg = f"frame of {size} bytes exceeds {self.max_frame_bytes}"
             return prefix, None, [*prefix, self.core.error_frame("too_large", msg, as_json=is_json(payload))]
         return prefix, payload, None
 
