@@ -220,6 +220,11 @@ class ControllerApp:
             self._spawn("snapshot-restore", lambda: self._restore_then_resume(snap))
         await self._start_lmcache()
         self._start_global_tier()
+        if self.cfg.load.metrics_poll_s > 0 or self.enable_metrics_http:
+            # The HTTP parts' imports (aiohttp: 0.25-0.7 s) run on a thread while the route
+            # socket, the snapshot restore and the KV-event subscribers already run on the loop:
+            # a restarted controller answers its first route before they are in.
+            await asyncio.to_thread(_import_http)
         self._start_poller()
         if self.enable_metrics_http:
             self.metrics_server = MetricsServer(
@@ -551,6 +556,7 @@ class ControllerApp:
                           sum(restored.values()))
             for iid in restored:
                 self.index.mark_stale(iid)
+        gc.freeze()  # the restored index lives on: out of the reach of full collections, like start-up's
         self.snapshot_stats["restored_blocks"] = sum(restored.values())
         self.snapshot_stats["restore_s"] = round(time.monotonic() - t0, 3)
         log.info("index snapshot: restored %d blocks of %d instances (age %.1fs) in %.2fs",
@@ -742,6 +748,12 @@ class ControllerApp:
             global_available=None if self.cfg.global_store.kind == "none" else self.global_store_state().endswith(":up"),
             components=components,
         )
+
+
+def _import_http() -> None:
+    import aiohttp  # noqa: F401
+    import aiohttp.web  # noqa: F401
+    import prometheus_client.parser  # noqa: F401
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

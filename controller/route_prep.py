@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from smetric_lmc.config import LimitsConfig
 from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import HashChain, RouteRequest, WireError, decode_request
+
+if TYPE_CHECKING:  # multiprocessing is imported when the worker starts, not on a restart's path
+    from concurrent.futures import ProcessPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,9 @@ class FramePrep:
         False when this process may not have children (a daemonic multiprocessing process): the
         caller then answers large frames on the loop, and says so once in the log."""
         if self._pool is None and self.unavailable is None:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
             try:
                 self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                                  initializer=_die_with_parent)
@@ -213,6 +217,8 @@ class FramePrep:
         if not self.start():
             raise RuntimeError(f"no frame worker: {self.unavailable}")
         assert self._pool is not None
+        from concurrent.futures.process import BrokenProcessPool
+
         try:
             fut: Future[tuple[Any, ...]] = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
         except BrokenProcessPool:

@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 MAX_ENVELOPE_FRAMES = 8
 
 
+def _import_multiprocessing() -> None:
+    import concurrent.futures.process  # noqa: F401
+    import multiprocessing  # noqa: F401
+
+
 class Oversize(bytes):
     """Stands for a received frame over the size limit: its first byte (JSON or msgpack, for the
     reply's encoding) and its ``size``; the frame itself is released unread, never copied."""
@@ -425,6 +430,7 @@ class RouteService:
         self._sock: zmq.asyncio.Socket | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        self._prep_task: asyncio.Task[None] | None = None
         self.endpoint: str | None = None
         self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0,
                                          "offloaded": 0, "large_on_loop": 0}
@@ -502,7 +508,7 @@ class RouteService:
         # ROUTER sends never block (a reply to a vanished peer is dropped by ZMQ).
         sync = zmq.Socket.shadow(sock.underlying)
         self._task = asyncio.current_task()
-        self._prep.start()
+        self._prep_task = asyncio.create_task(self._start_prep_later(), name="frame-worker-start")
         while not self._closing:
             try:
                 frames = frames_within(await sock.recv_multipart(copy=False), self.max_frame_bytes)
@@ -531,13 +537,23 @@ class RouteService:
                 except zmq.ZMQError:  # zmq.Again: drained
                     break
 
+    #: The frame worker starts this long after the service (a large frame before then starts it):
+    #: its process and multiprocessing's imports must not compete with a restart's first routes.
+    PREP_START_S = 1.0
+
+    async def _start_prep_later(self) -> None:
+        await asyncio.sleep(self.PREP_START_S)
+        await asyncio.to_thread(_import_multiprocessing)  # ~50 ms of imports, off the loop
+        if not self._closing:
+            self._prep.start()
+
     def _serve(self, sync: zmq.Socket, frames: list[bytes]) -> int:
         """Answer one message (or hand it to the worker); returns the bytes handled here."""
         self.counters["frames"] += 1
         prefix, payload, reply = self._check_framing(frames)
         if reply is None and payload is not None:
             if len(payload) > self.OFFLOAD_BYTES:
-                if self._prep.unavailable is None:
+                if self._prep.start():  # started already, or now (a large frame in the first second)
                     self.counters["offloaded"] += 1
                     task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
                     self._offloaded.add(task)
@@ -602,6 +618,7 @@ class RouteService:
 
     async def close(self) -> None:
         self._closing = True
+        await cancel_and_wait(self._prep_task)
         await cancel_and_wait(self._task)
         for task in list(self._offloaded):
             task.cancel()
