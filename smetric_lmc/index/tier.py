@@ -99,7 +99,7 @@ class TierIndex:
             "pending_added": p.added,
             "pending_confirmed": p.confirmed,
             "pending_expired": p.expired,
-            "pending_open": sum(len(e[1]) for e in p.by_last.values()),
+            "pending_open": sum(len(e) for e in p.by_last.values()),
         }
 
     # ---- instances -------------------------------------------------------------------------
