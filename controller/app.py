@@ -26,8 +26,8 @@ is the engine's HTTP server answering, does. Without a poller, an instance the g
 unreachable is re-admitted after ``load.breaker_probe_s`` (doubling per repeated trip).
 
 Restart: with ``snapshot.path`` set the index is written there every ``snapshot.interval_s`` (and
-at a clean stop) with each instance's last applied KV-event batch (``smetric_lmc.index.snapshot``).
-At start it is reloaded in slices (the route socket answers meanwhile), then each subscriber starts
+at a clean stop) with each instance's last applied KV-event batch (``smetric_lmc.index.snapshot``),
+by a forked child (``fork_write``: the loop pays only the fork, the child sees that instant). At start it is reloaded in slices (the route socket answers meanwhile), then each subscriber starts
 and replays its engine's events from the batch after the snapshot's; until every replay has
 finished the controller routes by load (``index_ready`` false). A snapshot that does not load
 (corrupt, other hashing) is logged and ignored.
