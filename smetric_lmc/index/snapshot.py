@@ -119,6 +119,11 @@ def write(path: str | Path, snap: IndexSnapshot) -> int:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    # Temporary files of writers that were killed mid-write (a snapshot child dies with its
+    # controller): one writer per path, so any left now is such a leftover.
+    for stray in path.parent.glob(f".{path.name}.*"):
+        with contextlib.suppress(OSError):
+            stray.unlink()
     return len(data)
 
 

@@ -92,6 +92,16 @@ def test_a_forked_write_saves_the_index_as_it_was_at_the_fork(tmp_path: Path) ->
     assert restored.gpu_blocks_of("a") > 0 and S.same_content(restored, expected) == []
 
 
+def test_a_write_removes_what_a_writer_killed_mid_write_left(tmp_path: Path) -> None:
+    stray = tmp_path / ".index.snap.k1ll3d"
+    stray.write_bytes(b"half a snapshot")
+    other = tmp_path / ".other.snap.tmp"
+    other.write_bytes(b"")
+    S.write(tmp_path / "index.snap", S.take(_build()))
+    assert not stray.exists() and other.exists()
+    assert S.read(tmp_path / "index.snap") is not None
+
+
 def test_a_forked_write_that_fails_reports_why(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
