@@ -16,9 +16,10 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+if TYPE_CHECKING:  # imported when the server starts (controller/app.py does it off the loop)
+    from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -298,6 +299,8 @@ class MetricsServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        from aiohttp import web
+
         app = web.Application()
         app.router.add_get("/metrics", self._get_metrics)
         app.router.add_get("/healthz", self._get_health)
@@ -317,10 +320,14 @@ class MetricsServer:
             self._runner = None
 
     async def _get_metrics(self, _req: web.Request) -> web.Response:
+        from aiohttp import web
+
         body = self._metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _get_health(self, _req: web.Request) -> web.Response:
+        from aiohttp import web
+
         try:
             health = self._health()
         except Exception as exc:

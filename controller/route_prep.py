@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from smetric_lmc.config import LimitsConfig
 from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import HashChain, RouteRequest, WireError, decode_request
+
+if TYPE_CHECKING:  # multiprocessing is imported when the worker starts, not on a restart's path
+    from concurrent.futures import ProcessPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,11 @@ MAX_HASH_CHAINS = 4
 RouteInputs = tuple[list[int], list[int] | None, int]
 
 
-def decode_checked(payload: bytes) -> Any:
-    """``decode_request`` with nesting deeper than the interpreter allows reported as a WireError."""
+def decode_checked(payload: bytes, max_bytes: int) -> Any:
+    """``decode_request`` (size cap ``max_bytes``: the configured ``limits.max_frame_bytes``) with
+    nesting deeper than the interpreter allows reported as a WireError."""
     try:
-        return decode_request(payload)
+        return decode_request(payload, max_bytes)
     except RecursionError:  # msgspec follows nesting with the interpreter's recursion limit
         raise WireError("bad_request", "nesting too deep") from None
 
@@ -147,7 +149,7 @@ def route_inputs(req: RouteRequest, hs: HashSettings, lim: LimitsConfig, fast_ro
 def prepare_frame(payload: bytes, hs: HashSettings, lim: LimitsConfig, fast_root: int) -> tuple[Any, ...]:
     """Decode, check and hash one frame (runs in the worker process; see the module docstring)."""
     try:
-        req = decode_checked(payload)
+        req = decode_checked(payload, lim.max_frame_bytes)
     except WireError as exc:
         return ("error", exc.code, str(exc), None, False)
     if not isinstance(req, RouteRequest):
@@ -197,6 +199,9 @@ class FramePrep:
         False when this process may not have children (a daemonic multiprocessing process): the
         caller then answers large frames on the loop, and says so once in the log."""
         if self._pool is None and self.unavailable is None:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
             try:
                 self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                                  initializer=_die_with_parent)
@@ -212,6 +217,8 @@ class FramePrep:
         if not self.start():
             raise RuntimeError(f"no frame worker: {self.unavailable}")
         assert self._pool is not None
+        from concurrent.futures.process import BrokenProcessPool
+
         try:
             fut: Future[tuple[Any, ...]] = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
         except BrokenProcessPool:

@@ -64,8 +64,29 @@ log = logging.getLogger(__name__)
 
 #: Envelope frames a peer may put before the delimiter (proxies add one per hop).
 MAX_ENVELOPE_FRAMES = 8
-#: Frames up to this many times the limit get a "too_large" reply; larger ones are cut by ZMQ.
-TRANSPORT_CAP_FACTOR = 4
+
+
+def _import_multiprocessing() -> None:
+    import concurrent.futures.process  # noqa: F401
+    import multiprocessing  # noqa: F401
+
+
+class Oversize(bytes):
+    """Stands for a received frame over the size limit: its first byte (JSON or msgpack, for the
+    reply's encoding) and its ``size``; the frame itself is released unread, never copied."""
+
+    size: int
+
+    @classmethod
+    def of(cls, frame: zmq.Frame) -> Oversize:
+        o = cls(frame.buffer[:1])
+        o.size = len(frame)
+        return o
+
+
+def frames_within(raw: Sequence[zmq.Frame], limit: int) -> list[bytes]:
+    """A message received with ``copy=False`` as bytes, frames over ``limit`` as ``Oversize``."""
+    return [f.bytes if len(f) <= limit else Oversize.of(f) for f in raw]
 
 
 class RouteCore:
@@ -174,7 +195,7 @@ class RouteCore:
         """
         t0 = time.perf_counter()
         try:
-            req = decode_checked(payload)
+            req = decode_checked(payload, self.limits.max_frame_bytes)
         except WireError as exc:
             return self._finish(self._error(exc.code, str(exc), None), None, is_json(payload), t0)
         return self.answer(req, is_json(payload), t0=t0)
@@ -409,6 +430,7 @@ class RouteService:
         self._sock: zmq.asyncio.Socket | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        self._prep_task: asyncio.Task[None] | None = None
         self.endpoint: str | None = None
         self.counters: dict[str, int] = {"frames": 0, "bad_frames": 0, "too_large": 0, "replies": 0, "send_errors": 0,
                                          "offloaded": 0, "large_on_loop": 0}
@@ -432,9 +454,9 @@ class RouteService:
                 self._zap = ZapAllowList(zmq.Context.shadow(self._own_ctx.underlying), self._client_keys)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # The transport's hard cap, far above the checked limit: ZMQ cuts the connection on
-        # anything larger without buffering it, while frames between the two get "too_large".
-        sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_CAP_FACTOR * self.max_frame_bytes + 65536)
+        # No transport cap (ZMQ_MAXMSGSIZE would cut the peer's connection unanswered): every
+        # frame over the limit is received uncopied, answered "too_large" and counted. ZMQ holds
+        # such a frame while it arrives, the peer's own bytes, and frees it once answered.
         if secret and public:
             sock.curve_server = True
             sock.curve_secretkey = secret.encode()
@@ -486,10 +508,10 @@ class RouteService:
         # ROUTER sends never block (a reply to a vanished peer is dropped by ZMQ).
         sync = zmq.Socket.shadow(sock.underlying)
         self._task = asyncio.current_task()
-        self._prep.start()
+        self._prep_task = asyncio.create_task(self._start_prep_later(), name="frame-worker-start")
         while not self._closing:
             try:
-                frames = await sock.recv_multipart()
+                frames = frames_within(await sock.recv_multipart(copy=False), self.max_frame_bytes)
             except asyncio.CancelledError:
                 if self._closing:
                     return
@@ -511,9 +533,19 @@ class RouteService:
                 while len(self._offloaded) >= self.MAX_OFFLOADED:
                     await asyncio.wait(self._offloaded, return_when=asyncio.FIRST_COMPLETED)
                 try:
-                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                    frames = frames_within(sync.recv_multipart(zmq.NOBLOCK, copy=False), self.max_frame_bytes)
                 except zmq.ZMQError:  # zmq.Again: drained
                     break
+
+    #: The frame worker starts this long after the service (a large frame before then starts it):
+    #: its process and multiprocessing's imports must not compete with a restart's first routes.
+    PREP_START_S = 1.0
+
+    async def _start_prep_later(self) -> None:
+        await asyncio.sleep(self.PREP_START_S)
+        await asyncio.to_thread(_import_multiprocessing)  # ~50 ms of imports, off the loop
+        if not self._closing:
+            self._prep.start()
 
     def _serve(self, sync: zmq.Socket, frames: list[bytes]) -> int:
         """Answer one message (or hand it to the worker); returns the bytes handled here."""
@@ -521,7 +553,7 @@ class RouteService:
         prefix, payload, reply = self._check_framing(frames)
         if reply is None and payload is not None:
             if len(payload) > self.OFFLOAD_BYTES:
-                if self._prep.unavailable is None:
+                if self._prep.start():  # started already, or now (a large frame in the first second)
                     self.counters["offloaded"] += 1
                     task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
                     self._offloaded.add(task)
@@ -577,14 +609,16 @@ class RouteService:
             self.counters["bad_frames"] += 1
             msg = "expected [identity, (envelope..., ''), payload]: one payload frame"
             return prefix, None, [*prefix, self.core.error_frame("bad_request", msg)]
-        if len(payload) > self.max_frame_bytes:
+        if isinstance(payload, Oversize) or len(payload) > self.max_frame_bytes:
             self.counters["too_large"] += 1
-            msg = f"frame of {len(payload)} bytes exceeds {self.max_frame_bytes}"
+            size = payload.size if isinstance(payload, Oversize) else len(payload)
+            msg = f"frame of {size} bytes exceeds {self.max_frame_bytes}"
             return prefix, None, [*prefix, self.core.error_frame("too_large", msg, as_json=is_json(payload))]
         return prefix, payload, None
 
     async def close(self) -> None:
         self._closing = True
+        await cancel_and_wait(self._prep_task)
         await cancel_and_wait(self._task)
         for task in list(self._offloaded):
             task.cancel()

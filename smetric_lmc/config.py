@@ -168,7 +168,7 @@ class ReplicasConfig(_Cfg):
 class LimitsConfig(_Cfg):
     """Bounds on what a peer may send; anything above is refused with a reason and counted."""
 
-    max_frame_bytes: int = 16 << 20  # route socket; 4x this is cut by the transport unanswered
+    max_frame_bytes: int = 16 << 20  # route socket and its decoder; every larger frame gets too_large
     max_prompt_tokens: int = 1 << 22  # token_ids length, prompt_tokens, est_hit_tokens
     max_turn: int = 1_000_000
     kv_max_frame_bytes: int = 64 << 20  # one vLLM KV-event message

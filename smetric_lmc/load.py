@@ -30,6 +30,9 @@ class _InFlight(msgspec.Struct, gc=False):
     prefilled: bool = False
 
 
+SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
+
+
 class LoadTracker:
     """``expire_s``: an entry never reported done is released after this long (counted as
     ``expired``), so a gateway that died cannot grow the in-flight set without bound."""
@@ -54,6 +57,9 @@ class LoadTracker:
         self._aligned: list[int] = []
         self._aligned_pos: dict[str, int] = {}
         self._aligned_key: tuple[int, int] | None = None
+        self.reconcile_left = False  # the last reconcile stopped at its budget
+        self._draining: list[dict[str, _InFlight]] = []  # entries of removed instances, to forget
+        self._dead = 0  # of those, how many the request map still holds
         self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0, "prefilled": 0,
                       "prefilled_inferred": 0, "expired": 0}
 
@@ -64,9 +70,14 @@ class LoadTracker:
         if instance_id not in self._total:
             self._set_total(instance_id, 0)
 
-    def remove_instance(self, instance_id: str) -> None:
-        for rid in self._of.pop(instance_id, {}):
-            del self._requests[rid]
+    def remove_instance(self, instance_id: str, budget: int = SLICE) -> None:
+        """Forget the instance's load. Its entries leave the request map by :meth:`drain` slices
+        (the first one now, of ``budget`` entries): until then they are dead, not counted."""
+        of = self._of.pop(instance_id, None)
+        if of:
+            self._draining.append(of)
+            self._dead += len(of)
+            self.drain(budget)
         self._queued.pop(instance_id, None)
         self._count.pop(instance_id, None)
         self._unprefilled.pop(instance_id, None)
@@ -93,10 +104,30 @@ class LoadTracker:
         self._unprefilled[instance_id] += todo
         self.stats["routed"] += 1
 
+    def drain(self, budget: int = SLICE) -> bool:
+        """Forget up to ``budget`` entries of removed instances; True while some are left."""
+        requests, draining = self._requests, self._draining
+        while draining and budget > 0:
+            of = draining[-1]
+            k = min(budget, len(of))
+            for _ in range(k):
+                rid, entry = of.popitem()
+                if requests.get(rid) is entry:
+                    del requests[rid]
+                    self._dead -= 1
+            budget -= k
+            if not of:
+                draining.pop()
+        return bool(draining)
+
+    def _live(self, request_id: str, entry: _InFlight | None) -> bool:
+        of = self._of.get(entry.instance) if entry is not None else None
+        return of is not None and of.get(request_id) is entry
+
     def on_prefilled(self, request_id: str) -> bool:
         """Prefill finished: its tokens no longer queue. False when not in flight or already prefilled."""
         entry = self._requests.get(request_id)
-        if entry is None or entry.prefilled:
+        if entry is None or entry.prefilled or not self._live(request_id, entry):
             return False
         self._unprefilled[entry.instance] -= entry.unprefilled
         entry.unprefilled = 0
@@ -116,6 +147,9 @@ class LoadTracker:
     def _release(self, request_id: str) -> bool:
         entry = self._requests.pop(request_id, None)
         if entry is None:
+            return False
+        if not self._live(request_id, entry):  # its instance was removed: the entry was dead
+            self._dead -= 1
             return False
         self._of[entry.instance].pop(request_id, None)
         self._queued[entry.instance].pop(request_id, None)
@@ -140,9 +174,13 @@ class LoadTracker:
 
     def reconcile(
         self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,
-        engine_waiting: int | None = None, prefill_grace_s: float = 1.0,
+        engine_waiting: int | None = None, prefill_grace_s: float = 1.0, budget: int | None = None,
     ) -> int:
         """Align with the engine's running+waiting count. Returns entries released as lost.
+
+        ``budget``: release and infer at most this many entries each, so one call stays a few ms
+        (an event loop's slice); ``reconcile_left`` then says whether calling again with the same
+        counts has more to do (entries routed or done meanwhile are accounted as they come).
 
         With ``engine_waiting`` (requests the engine has not scheduled yet), entries routed more than
         ``prefill_grace_s`` ago that are still unprefilled, beyond the ``engine_waiting`` newest of
@@ -153,22 +191,30 @@ class LoadTracker:
         self._external[instance_id] = max(0, engine_requests - ours)
         self._set_total(instance_id, ours + self._external[instance_id])
         excess = ours - engine_requests
+        self.reconcile_left = False
+        if self._draining:
+            self.drain()
         if engine_waiting is not None:
-            self._infer_prefilled(instance_id, engine_waiting, prefill_grace_s)
+            self._infer_prefilled(instance_id, engine_waiting, prefill_grace_s, budget)
         if excess <= 0:
             return 0
+        if budget is not None and excess > budget:
+            excess = budget
         cutoff = self._clock() - grace_s
         stale = []
         for rid, e in self._of.get(instance_id, {}).items():  # oldest first
             if e.since >= cutoff or len(stale) >= excess:
                 break
             stale.append(rid)
+        if len(stale) == budget:
+            self.reconcile_left = True
         for rid in stale:
             self._release(rid)
         self.stats["healed"] += len(stale)
         return len(stale)
 
-    def _infer_prefilled(self, instance_id: str, engine_waiting: int, prefill_grace_s: float) -> None:
+    def _infer_prefilled(self, instance_id: str, engine_waiting: int, prefill_grace_s: float,
+                         budget: int | None) -> None:
         cutoff = self._clock() - prefill_grace_s
         queued = self._queued.get(instance_id, {})
         recent = 0
@@ -178,6 +224,9 @@ class LoadTracker:
             recent += 1
         # The oldest unprefilled entries beyond the engine's waiting count have been scheduled.
         todo = len(queued) - recent - engine_waiting
+        if budget is not None and todo > budget:
+            todo = budget
+            self.reconcile_left = True
         for rid in list(itertools.islice(queued, max(0, todo))):
             if self.on_prefilled(rid):
                 self.stats["prefilled"] -= 1
@@ -215,7 +264,7 @@ class LoadTracker:
 
     def instance_of(self, request_id: str) -> str | None:
         entry = self._requests.get(request_id)
-        return entry.instance if entry is not None else None
+        return entry.instance if entry is not None and self._live(request_id, entry) else None
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._requests) - self._dead

@@ -24,7 +24,8 @@ import msgspec
 
 WIRE_VERSION = 1
 
-#: Frames larger than this are rejected before decoding (a 1M-token prompt of token ids is ~5 MB).
+#: Default size cap of a frame, checked before decoding (a 1M-token prompt of token ids is ~5 MB);
+#: the controller passes its configured ``limits.max_frame_bytes`` instead.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
@@ -208,9 +209,9 @@ def encode(msg: msgspec.Struct, *, json: bool = False) -> bytes:
     return _js_enc.encode(msg) if json else _mp_enc.encode(msg)
 
 
-def _decode(frame: bytes, mp: msgspec.msgpack.Decoder, js: msgspec.json.Decoder) -> Any:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+def _decode(frame: bytes, mp: msgspec.msgpack.Decoder, js: msgspec.json.Decoder, max_bytes: int) -> Any:
+    if len(frame) > max_bytes:
+        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {max_bytes}")
     try:
         msg = js.decode(frame) if is_json(frame) else mp.decode(frame)
     except msgspec.DecodeError as exc:  # ValidationError is a subclass: both are the peer's fault
@@ -220,10 +221,11 @@ def _decode(frame: bytes, mp: msgspec.msgpack.Decoder, js: msgspec.json.Decoder)
     return msg
 
 
-def decode_request(frame: bytes) -> Request:
-    """Decode a gateway's request; raises WireError with a reason fit for an ErrorReply."""
-    return _decode(frame, _mp_req, _js_req)
+def decode_request(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Request:
+    """Decode a gateway's request (``too_large`` past ``max_bytes``, before decoding); raises
+    WireError with a reason fit for an ErrorReply."""
+    return _decode(frame, _mp_req, _js_req, max_bytes)
 
 
-def decode_reply(frame: bytes) -> Reply:
-    return _decode(frame, _mp_rep, _js_rep)
+def decode_reply(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Reply:
+    return _decode(frame, _mp_rep, _js_rep, max_bytes)

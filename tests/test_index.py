@@ -184,6 +184,32 @@ def test_stale_entries_not_stored_again_are_dropped_after_the_ttl():
     assert ix.sizes()["gpu_nodes"] == 2
 
 
+def test_a_cleared_long_chain_is_freed_a_bounded_slice_at_a_time():
+    """One garbage chain far longer than a slice's work: each slice frees at most its budget, a
+    store that takes part of the chain back mid-sweep keeps those rows, the rest all go."""
+    ix = TierIndex(16, 16, sweep_work=100)
+    for i in ("a", "b"):
+        ix.register_instance(i)
+    chain = list(range(1, 2001))
+    ix.gpu_stored_hashes("a", chain)
+    ix.gpu_cleared("a")  # the first slice runs inside the clear: it walks down the chain
+    assert ix.sizes()["gpu_nodes"] == 2000 and ix.needs_maintenance
+    slices, taken_back = 1, False
+    while ix.needs_maintenance:
+        before = ix.sizes()["gpu_nodes"]
+        ix.maintain()
+        slices += 1
+        assert before - ix.sizes()["gpu_nodes"] <= 100
+        if not taken_back and ix.sizes()["gpu_nodes"] < 1000:  # the chain's top is still there
+            ix.gpu_stored_hashes("b", chain[:50])  # b stores the chain's head again mid-sweep
+            assert ix.lookup(chain).gpu_blocks == [0, 50]
+            taken_back = True
+    assert taken_back and ix.sizes()["gpu_nodes"] == 50 and 40 <= slices <= 45  # 2 x 2000 steps / 100
+    assert ix.lookup(chain).gpu_blocks == [0, 50]
+    ix.gpu_stored_hashes("a", chain)
+    assert ix.lookup(chain).gpu_blocks == [2000, 50] and ix.sizes()["gpu_nodes"] == 2000
+
+
 def test_gpu_cleared_clears_stale_entries_for_real():
     ix, clock = clocked()
     toks = list(range(32))
@@ -336,7 +362,7 @@ def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
     parent = random_tree(rng, n_nodes)
     clock = [0.0]
     ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, pending_ttl_s=5, orphan_ttl_s=1e9,
-                   sweep_rows=rng.choice([1, 4, 1 << 16]))
+                   sweep_rows=rng.choice([1, 4, 1 << 16]), sweep_work=rng.choice([1, 3, 2048]))
     naive = Naive(parent)
     insts = [f"i{k}" for k in range(n_inst)]
     for i in insts:
@@ -534,7 +560,7 @@ def test_made_up_ids_keep_the_tree_linked(seed):
     removals, stale marks, clears and sweeps, rows reused throughout: links checked after each."""
     rng = random.Random(seed)
     clock = [0.0]
-    ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, sweep_rows=rng.choice([1, 4, 1 << 16]))
+    ix = TierIndex(16, 16, clock=lambda: clock[0], stale_ttl_s=10, sweep_rows=rng.choice([1, 4, 1 << 16]), sweep_work=rng.choice([1, 3, 2048]))
     insts = [f"i{k}" for k in range(8)]
     for i in insts:
         ix.register_instance(i)

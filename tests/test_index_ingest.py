@@ -68,7 +68,7 @@ def test_vllm_ingest_matches_naive_model(seed, n_nodes, n_inst, n_ops):
     rng = random.Random(seed)
     parent = random_tree(rng, n_nodes)
     clock = [0.0]
-    ix = TierIndex(BS, BS, clock=lambda: clock[0], stale_ttl_s=10, orphan_ttl_s=1e9, sweep_rows=rng.choice([1, 1 << 16]))
+    ix = TierIndex(BS, BS, clock=lambda: clock[0], stale_ttl_s=10, orphan_ttl_s=1e9, sweep_rows=rng.choice([1, 1 << 16]), sweep_work=rng.choice([1, 3, 2048]))
     naive = Naive(parent)
     insts = [f"i{k}" for k in range(n_inst)]
     for i in insts:
@@ -135,7 +135,7 @@ def test_simulator_ingest_keeps_the_tree_consistent(seed, n_nodes, n_inst, n_ops
     frees) keep every map, link and count consistent; rows freed are reused."""
     rng = random.Random(seed)
     parent = random_tree(rng, n_nodes)
-    ix = TierIndex(16, 16, sweep_rows=rng.choice([1, 1 << 16]))
+    ix = TierIndex(16, 16, sweep_rows=rng.choice([1, 1 << 16]), sweep_work=rng.choice([1, 3, 2048]))
     naive = Naive(parent)
     insts = [f"i{k}" for k in range(n_inst)]
     for i in insts:

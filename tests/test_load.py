@@ -88,3 +88,43 @@ def test_loads_laid_out_in_the_index_order_track_every_change():
             order = order + [f"j{step}"]
             key = (1, key[1] + 1)
         assert t.loads_aligned(order, key) == t.loads(order), step
+
+
+def test_a_removed_instance_is_forgotten_in_slices_and_its_entries_are_dead_meanwhile():
+    lt = LoadTracker()
+    for k in range(10):
+        lt.on_route(f"a{k}", "a", 100)
+        lt.on_route(f"b{k}", "b", 100)
+    lt.remove_instance("a", budget=3)
+    assert len(lt) == 10 and lt._dead == 7  # 3 forgotten now, 7 left for later slices
+    assert not lt.on_done("a9") and lt.stats["unknown_done"] == 1  # dead: not released twice
+    assert not lt.on_prefilled("a8") and lt.instance_of("a7") is None
+    lt.on_route("a8", "a", 50)  # the instance is back; a dead id routed again is a new entry
+    assert lt.loads(["a", "b"]) == [1.0, 10.0] and lt.unprefilled("a") == 50 and len(lt) == 11
+    while lt.drain(2):
+        pass
+    assert lt._dead == 0 and len(lt) == 11 and lt.instance_of("a8") == "a"
+    assert lt.on_done("a8") and lt.loads(["a"]) == [0.0]
+
+
+def test_a_reconcile_in_slices_ends_where_one_call_does():
+    def tracker():
+        clock = Clock()
+        lt = LoadTracker(clock=clock)
+        for k in range(500):
+            clock.t = k * 0.01
+            lt.on_route(f"r{k}", "a", 10)
+        clock.t = 100.0
+        lt.on_route("young", "a", 10)
+        return lt
+
+    one, sliced = tracker(), tracker()
+    healed = one.reconcile("a", 20, grace_s=30.0, engine_waiting=5)
+    assert not one.reconcile_left
+    total, calls = sliced.reconcile("a", 20, grace_s=30.0, engine_waiting=5, budget=64), 1
+    while sliced.reconcile_left:
+        total += sliced.reconcile("a", 20, grace_s=30.0, engine_waiting=5, budget=64)
+        calls += 1
+    assert healed == total == 481 and calls == 8  # 481 / 64 entries a slice
+    assert sliced.loads(["a"]) == one.loads(["a"]) == [20.0]
+    assert sliced.unprefilled("a") == one.unprefilled("a") and sliced.stats == one.stats

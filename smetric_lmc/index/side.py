@@ -27,8 +27,14 @@ class Pending:
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self.by_last: dict[int, tuple[int, dict[int, float], int]] = {}  # last -> (length, slot -> deadline, anchor hash)
-        self.by_anchor: dict[int, set[int]] = {}  # anchor block hash -> last hashes filed there
+        # Only ints, floats and dicts of them, never a tuple holding a dict: none of it is tracked
+        # by the cyclic GC (a busy controller holds one entry per routed prompt for ``ttl_s``).
+        self.by_last: dict[int, dict[int, float]] = {}  # last -> {slot: deadline}
+        self.meta: dict[int, tuple[int, int]] = {}  # last -> (length, anchor hash)
+        # anchor block hash -> last hashes filed there. Inner dicts (values None), not sets: a dict
+        # of ints is not tracked by the cyclic GC, a set always is, and a busy controller holds
+        # one per routed prompt for ``ttl_s``: every full collection walked them all.
+        self.by_anchor: dict[int, dict[int, None]] = {}
         self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
         self.queue: deque[tuple[float, int, int]] = deque()
         self.added = self.confirmed = self.expired = 0
@@ -41,22 +47,24 @@ class Pending:
         entry = self.by_last.get(last)
         if entry is None:
             pos = _anchor(len(chain))
-            entry = self.by_last[last] = (len(chain), {}, chain[pos - 1])
-            self.by_anchor.setdefault(chain[pos - 1], set()).add(last)
+            entry = self.by_last[last] = {}
+            self.meta[last] = (len(chain), chain[pos - 1])
+            self.by_anchor.setdefault(chain[pos - 1], {})[last] = None
             self.anchors[pos] = self.anchors.get(pos, 0) + 1
         deadline = now + self.ttl_s
-        entry[1][slot] = deadline
+        entry[slot] = deadline
         self.queue.append((deadline, slot, last))
         self.added += 1
 
     def _drop(self, last: int, slot: int) -> None:
-        length, slots, anchor = self.by_last[last]
+        slots = self.by_last[last]
         del slots[slot]
         if slots:
             return
         del self.by_last[last]
+        length, anchor = self.meta.pop(last)
         filed = self.by_anchor[anchor]
-        filed.discard(last)
+        filed.pop(last, None)
         if not filed:
             del self.by_anchor[anchor]
         pos = _anchor(length)
@@ -69,7 +77,7 @@ class Pending:
     def confirm(self, slot: int, hashes: Sequence[int]) -> None:
         by_last = self.by_last
         for h in by_last.keys() & hashes:  # the C-level intersection: a store can be long
-            if slot in by_last[h][1]:
+            if slot in by_last[h]:
                 self._drop(h, slot)
                 self.confirmed += 1
 
@@ -78,7 +86,7 @@ class Pending:
         while q and q[0][0] <= now:
             deadline, slot, last = q.popleft()
             entry = self.by_last.get(last)
-            if entry is not None and entry[1].get(slot) == deadline:
+            if entry is not None and entry.get(slot) == deadline:
                 self._drop(last, slot)
                 self.expired += 1
 
@@ -86,22 +94,22 @@ class Pending:
         return self.queue[0][0] if self.queue else float("inf")
 
     def drop_slot(self, slot: int) -> None:
-        for last in [h for h, (_, slots, _) in self.by_last.items() if slot in slots]:
+        for last in [h for h, slots in self.by_last.items() if slot in slots]:
             self._drop(last, slot)
 
     def credits(self, chain: Sequence[int]) -> list[tuple[int, int]]:
         """(slot, pending blocks) for every pending prompt ``chain`` extends."""
         out: list[tuple[int, int]] = []
         n = len(chain)
-        by_anchor, by_last = self.by_anchor, self.by_last
+        by_anchor, by_last, meta = self.by_anchor, self.by_last, self.meta
         for pos in self.anchors:
             if pos <= n:
                 filed = by_anchor.get(chain[pos - 1])
                 if filed:
                     for last in filed:
-                        length, slots, _ = by_last[last]
+                        length = meta[last][0]
                         if length <= n and chain[length - 1] == last:
-                            out.extend((slot, length) for slot in slots)
+                            out.extend((slot, length) for slot in by_last[last])
         return out
 
 

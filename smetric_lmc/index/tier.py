@@ -43,6 +43,7 @@ class TierIndex:
         orphan_ttl_s: float = 600.0,
         orphan_cap_blocks: int = 1 << 16,
         sweep_rows: int = 1 << 16,
+        sweep_work: int = 1024,
     ) -> None:
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -50,6 +51,7 @@ class TierIndex:
         self.clock = clock
         self.stale_ttl_s = stale_ttl_s
         self.sweep_rows = sweep_rows
+        self.sweep_work = sweep_work  # rows one slice frees at most (~1.5 us each): a few ms
         self._tree = GpuTree()
         self._pending = Pending(pending_ttl_s)
         self._orphans = Orphans(orphan_ttl_s, orphan_cap_blocks)
@@ -97,7 +99,7 @@ class TierIndex:
             "pending_added": p.added,
             "pending_confirmed": p.confirmed,
             "pending_expired": p.expired,
-            "pending_open": sum(len(e[1]) for e in p.by_last.values()),
+            "pending_open": sum(len(e) for e in p.by_last.values()),
         }
 
     # ---- instances -------------------------------------------------------------------------
@@ -183,7 +185,12 @@ class TierIndex:
         """One bounded slice of housekeeping (freeing rows emptied by bulk clears). Returns rows
         freed. Ingest calls it; an idle controller may call it on a timer."""
         self._tick()
-        return self._tree.sweep(self.sweep_rows)
+        return self._tree.sweep(self.sweep_rows, self.sweep_work)
+
+    @property
+    def needs_maintenance(self) -> bool:
+        """Rows emptied by a bulk clear still wait for :meth:`maintain` slices."""
+        return self._tree.garbage
 
     # ---- stale marks -------------------------------------------------------------------------
     def mark_stale(self, instance_id: str) -> int:
@@ -228,7 +235,7 @@ class TierIndex:
         tree.stale_owner.pop(sbit, None)
         tree.rewrite(sbit)
         self._free(sslot)
-        tree.sweep(self.sweep_rows)
+        tree.sweep(self.sweep_rows, self.sweep_work)
         exc = self._exc.get(slot)
         if exc:  # keep only aliases of rows the instance still holds
             bit = 1 << slot
@@ -351,7 +358,7 @@ class TierIndex:
     def _store(self, slot: int, hashes: Sequence[int], prow: int, engine_hashes: Sequence[int] | None) -> int:
         tree = self._tree
         if tree.garbage:
-            tree.sweep(self.sweep_rows)
+            tree.sweep(self.sweep_rows, self.sweep_work)
         bit, sbit = self._bits(slot)
         exc = tree.store(bit, sbit, hashes, prow, engine_hashes)
         if exc:  # this engine hashes these tokens differently
@@ -451,7 +458,7 @@ class TierIndex:
         self._orphans.drop_slot(slot)
         self._pending.drop_slot(slot)
         self._counts["gpu_cleared"] += 1
-        tree.sweep(self.sweep_rows)  # a first bounded slice now: small indexes are clean at once
+        tree.sweep(self.sweep_rows, self.sweep_work)  # a first bounded slice now: small indexes are clean at once
 
     # ---- pending (routed, not yet reported) ----------------------------------------------------
     def add_pending(self, instance_id: str, blocks: Sequence[int]) -> bool:

@@ -57,6 +57,8 @@ class GpuTree:
         self.count: dict[int, int] = {}  # slot bit -> rows carrying it
         self.garbage = False
         self.sweep_pos = 1
+        self._path: list[int] = []  # the garbage subtree a sweep slice stopped in (top first)
+        self._again = False
 
     # ---- masks ---------------------------------------------------------------------------------
     def intern(self, m: int) -> int:
@@ -581,26 +583,57 @@ class GpuTree:
             count[drop] -= n_drop
         return n_bit + n_drop
 
-    def sweep(self, budget: int = 1 << 16) -> int:
-        """Free garbage rows (empty mask after a rewrite) in the next ``budget`` rows."""
+    def sweep(self, budget: int = 1 << 16, work: int = 2048) -> int:
+        """Free garbage rows (empty mask after a rewrite): scans at most ``budget`` rows for them
+        and frees at most about ``work`` rows, then returns rows freed; the next call goes on
+        where this one stopped. Rows are freed leaf first (post-order), so a slice that stops
+        inside a garbage subtree leaves every remaining row linked under a live parent row and
+        one slice costs O(budget + work) however long the chain below a garbage row is."""
         if not self.garbage:
             return 0
-        dead_ids = np.fromiter((v == 0 for v in self.mval), dtype=bool, count=len(self.mval))
-        dead_ids[0] = False  # id 0 is a free row's
-        n = len(self.key)
-        a = self.sweep_pos
-        b = min(n, a + budget)
-        col = np.frombuffer(self.mid, dtype=np.uint32)
-        hits = (np.flatnonzero(dead_ids[col[a:b]]) + a).tolist()
-        del col
-        freed = 0
         nodes = self.nodes
-        for r in hits:
-            if self.key[r] and not self.mval[self.mid[r]]:
-                self._free_subtree(r)  # completeness: all of it is garbage too
-        freed = nodes - self.nodes
-        self.sweep_pos = b
-        if b >= n:
-            self.garbage = False
-            self.sweep_pos = 1
-        return freed
+        left = self._descend(work)
+        if left > 0:
+            dead_ids = np.fromiter((v == 0 for v in self.mval), dtype=bool, count=len(self.mval))
+            dead_ids[0] = False  # id 0 is a free row's
+            n = len(self.key)
+            a = self.sweep_pos
+            b = min(n, a + budget)
+            col = np.frombuffer(self.mid, dtype=np.uint32)
+            hits = (np.flatnonzero(dead_ids[col[a:b]]) + a).tolist()
+            del col
+            stop = b
+            for r in hits:
+                if self.key[r] and not self.mval[self.mid[r]]:
+                    self._path = [r]
+                    left = self._descend(left)
+                    if left <= 0:
+                        stop = r + 1  # its subtree may go on: _path holds the rest
+                        break
+            self.sweep_pos = stop
+            if stop >= n and not self._path:
+                self.sweep_pos = 1
+                # A subtree given up on may have left garbage behind the scan: one more pass.
+                self.garbage, self._again = self._again, False
+        return nodes - self.nodes
+
+    def _descend(self, work: int) -> int:
+        """Go on freeing the garbage subtree whose path from its top is ``_path``, at most ``work``
+        steps; returns the steps left. A row on the path that a store took back or another free
+        took away (the tree changes between slices) ends this subtree: the scan finds what is left."""
+        path = self._path
+        key, mid, mval, kid = self.key, self.mid, self.mval, self.kid
+        while path and work > 0:
+            work -= 1
+            r = path[-1]
+            if not key[r] or mval[mid[r]]:
+                path.clear()
+                self._again = True
+                break
+            c = kid[r]
+            if c:
+                path.append(c)  # completeness: every row below a garbage row is garbage
+            else:
+                path.pop()
+                self._free_subtree(r)  # a leaf: unlinked from its parent, which stays linked
+        return work

@@ -324,3 +324,44 @@ def test_the_frame_worker_dies_with_a_killed_controller() -> None:
     if alive:
         os.kill(worker, signal.SIGKILL)
     assert not alive, "the frame worker outlived its controller"
+
+
+async def test_a_large_lmcache_batch_is_applied_a_slice_at_a_time() -> None:
+    # 3 slices and a bit in one BatchedKVOperationMsg: other tasks run between the slices, and
+    # every operation lands, in order (the evictions at the end undo the first admits).
+    from test_bounds import _Sink  # type: ignore[import-not-found]
+
+    from smetric_lmc.controller import lmcache_proto as P
+    from smetric_lmc.controller.lmcache_server import OPS_SLICE, LMCacheWorkerServer
+
+    server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
+                                 resolve_instance=lambda lmc, _w: lmc, full_sync_on_start=False)  # type: ignore[arg-type]
+    await server.start()
+    n = 3 * OPS_SLICE + 5
+    ops = [P.KVOpEvent(op_type="admit", key=k + 1, seq_num=k) for k in range(n)]
+    ops += [P.KVOpEvent(op_type="evict", key=k + 1, seq_num=n + k) for k in range(10)]
+    seen: list[int] = []
+
+    async def probe() -> None:
+        while True:
+            seen.append(server.stats["kv_ops"])
+            await asyncio.sleep(0)
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(server.endpoints["pull"])
+    p = asyncio.create_task(probe())
+    try:
+        push.send(P.encode(P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=0, location="L", operations=ops)))
+        sink: _Sink = server._sink  # type: ignore[assignment]
+        for _ in range(500):
+            if server.stats["kv_ops"] == len(ops):
+                break
+            await asyncio.sleep(0.01)
+        assert server.stats["kv_ops"] == len(ops) and server.stats["seq_gaps"] == 0
+        assert sink.chunks["inst-a"] == set(range(11, n + 1))
+        assert {OPS_SLICE, 2 * OPS_SLICE, 3 * OPS_SLICE} <= set(seen)  # the loop ran between slices
+    finally:
+        p.cancel()
+        await server.close()
+        ctx.destroy(linger=0)

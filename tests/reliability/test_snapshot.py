@@ -73,3 +73,38 @@ def test_a_snapshot_from_other_hashing_or_a_torn_file_is_refused(tmp_path: Path)
     with pytest.raises(S.SnapshotError):
         S.decode(data[: len(data) // 2])
     assert S.read(tmp_path / "none") is None
+
+
+def test_a_forked_write_saves_the_index_as_it_was_at_the_fork(tmp_path: Path) -> None:
+    idx = _build()
+    before = S.take(idx, {"a": (7, 2.0)})
+    path = tmp_path / "index.snap"
+    job = S.fork_write(path, idx, {"a": (7, 2.0)})
+    # The parent goes on changing the index while the child exports: none of it reaches the file.
+    idx.gpu_cleared("a")
+    idx.gpu_stored_hashes("b", fast_chain(list(range(BS * 9)), BS, root=idx.fast_root))
+    assert job.wait() == path.stat().st_size
+    back = S.read(path)
+    assert back is not None and back.instances["a"].seq == 7
+    restored, expected = TierIndex(BS, 8), TierIndex(BS, 8)
+    S.restore(restored, back)
+    S.restore(expected, before)
+    assert restored.gpu_blocks_of("a") > 0 and S.same_content(restored, expected) == []
+
+
+def test_a_write_removes_what_a_writer_killed_mid_write_left(tmp_path: Path) -> None:
+    stray = tmp_path / ".index.snap.k1ll3d"
+    stray.write_bytes(b"half a snapshot")
+    other = tmp_path / ".other.snap.tmp"
+    other.write_bytes(b"")
+    S.write(tmp_path / "index.snap", S.take(_build()))
+    assert not stray.exists() and other.exists()
+    assert S.read(tmp_path / "index.snap") is not None
+
+
+def test_a_forked_write_that_fails_reports_why(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    job = S.fork_write(blocker / "index.snap", _build())  # a folder that cannot be made
+    with pytest.raises(OSError, match="snapshot child exited with 1: .*Error"):
+        job.wait()
