@@ -454,9 +454,10 @@ class RouteService:
                 self._zap = ZapAllowList(zmq.Context.shadow(self._own_ctx.underlying), self._client_keys)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # No transport cap (ZMQ_MAXMSGSIZE would cut the peer's connection unanswered): every
-        # frame over the limit is received uncopied, answered "too_large" and counted. ZMQ holds
-        # such a frame while it arrives, the peer's own bytes, and frees it once answered.
+        # Every frame over max_frame_bytes, up to the transport cap, is received uncopied, answered
+        # "too_large" and counted. The cap bounds what ZMQ holds while a frame arrives: beyond it ZMQ
+        # drops the sender's connection mid-frame, the only way to refuse a frame without reading it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self.core.limits.max_transport_bytes, self.max_frame_bytes))
         if secret and public:
             sock.curve_server = True
             sock.curve_secretkey = secret.encode()

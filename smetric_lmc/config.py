@@ -169,6 +169,10 @@ class LimitsConfig(_Cfg):
     """Bounds on what a peer may send; anything above is refused with a reason and counted."""
 
     max_frame_bytes: int = 16 << 20  # route socket and its decoder; every larger frame gets too_large
+    # The transport's hard cap on one route frame: up to it a frame is answered too_large; beyond it
+    # ZMQ drops the sender's connection mid-frame (no reply possible) so no peer can make the
+    # controller hold an unbounded message. Counted as route_socket.cut_connections.
+    max_transport_bytes: int = 256 << 20
     max_prompt_tokens: int = 1 << 22  # token_ids length, prompt_tokens, est_hit_tokens
     max_turn: int = 1_000_000
     kv_max_frame_bytes: int = 64 << 20  # one vLLM KV-event message
@@ -186,6 +190,8 @@ class LimitsConfig(_Cfg):
         for name in self.__struct_fields__:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_transport_bytes < self.max_frame_bytes:
+            raise ValueError("max_transport_bytes must be >= max_frame_bytes")
 
 
 class Config(_Cfg):

@@ -1,5 +1,6 @@
 """Route frame size limits: the configured ``limits.max_frame_bytes`` drives the wire decoder, and
-every frame over it, however large, gets a ``too_large`` reply without being decoded, counted."""
+every frame over it, up to the transport cap, gets a ``too_large`` reply without being decoded, counted;
+beyond the cap the transport drops the connection."""
 
 from __future__ import annotations
 
@@ -59,3 +60,27 @@ def test_every_oversize_frame_gets_too_large_however_large_and_is_counted() -> N
         reply = decode_reply((s.send_multipart([b"", encode(route_req("ok", token_ids=PROMPT[:64]))]),
                               s.recv_multipart())[1][-1])
         assert isinstance(reply, RouteDecision)
+
+
+def test_a_frame_over_the_transport_cap_is_cut_and_the_service_goes_on() -> None:
+    core = make_core()
+    core.limits = LimitsConfig(max_frame_bytes=4096, max_transport_bytes=64 * 1024)
+    with ServiceThread(core) as st:
+        with connect_dealer(st.endpoint) as s:
+            s.setsockopt(zmq.RCVTIMEO, 10_000)
+            s.send_multipart([b"", _padded_stats(32 * 1024)])  # under the cap: answered
+            err = decode_reply(s.recv_multipart()[-1])
+            assert isinstance(err, ErrorReply) and err.code == "too_large"
+        with connect_dealer(st.endpoint) as s:
+            s.setsockopt(zmq.RCVTIMEO, 1_000)
+            s.send_multipart([b"", _padded_stats(1 * MIB)])  # over it: ZMQ drops the connection unread
+            try:
+                s.recv_multipart()
+                raise AssertionError("a frame over the transport cap was answered")
+            except zmq.Again:
+                pass
+        with connect_dealer(st.endpoint) as s:
+            s.setsockopt(zmq.RCVTIMEO, 10_000)
+            s.send_multipart([b"", encode(route_req("after", token_ids=PROMPT[:64]))])
+            assert isinstance(decode_reply(s.recv_multipart()[-1]), RouteDecision)
+        assert st.service is not None and st.service.counters["too_large"] == 1
