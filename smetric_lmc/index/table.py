@@ -17,6 +17,7 @@ numpy scalar boxing; a route lookup does a few dozen of them.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -91,39 +92,38 @@ class KeyIndex:
 
     def delete(self, h: int) -> bool:
         """Remove key ``h``; False if absent."""
-        i, r = self.locate(h)
+        r = self.locate(h)[1]
         if not r:
             return False
-        self.delete_at(i)
+        self.drop_rows((r,))
         return True
 
-    def drop_row(self, h: int, row: int) -> None:
-        """Remove the entry of ``row``, whose key is ``h`` (no key comparisons on the way)."""
-        slots = self.slots
-        i = h & self.mask
-        r = slots[i]
-        while r != row:
-            if not r:
-                raise KeyError(f"row {row} is not in the map under {h:#x}")
-            i += 1
-            r = slots[i]
-        self.delete_at(i)
-
-    def delete_at(self, i: int) -> None:
-        """Empty slot ``i`` (occupied); backward-shift the run behind it so no probe ever crosses a
-        hole. """
+    def drop_rows(self, rows: Iterable[int]) -> None:
+        """Remove the entries of ``rows``, found by row id from their keys' home slots (no key
+        comparisons on the way), each with a backward shift of the run behind it so no probe ever
+        crosses a hole. Their keys must still be in the column: the shifts read them. One call
+        for a subtree's or an eviction's rows."""
         slots, keys, mask = self.slots, self.keys, self.mask
-        j = i
-        while True:
-            j += 1
-            r = slots[j]
-            if not r:
-                break
-            if keys[r] & mask <= i:
-                slots[i] = r
-                i = j
-        slots[i] = 0
-        self.n -= 1
+        for row in rows:
+            h = keys[row]
+            i = h & mask
+            r = slots[i]
+            while r != row:
+                if not r:
+                    raise KeyError(f"row {row} is not in the map under {h:#x}")
+                i += 1
+                r = slots[i]
+            j = i
+            while True:
+                j += 1
+                r = slots[j]
+                if not r:
+                    break
+                if keys[r] & mask <= i:
+                    slots[i] = r
+                    i = j
+            slots[i] = 0
+            self.n -= 1
 
     def _rebuild(self, bits: int) -> None:
         old = np.frombuffer(self.slots, dtype=np.uint32)
