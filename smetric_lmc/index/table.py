@@ -92,17 +92,17 @@ class KeyIndex:
 
     def delete(self, h: int) -> bool:
         """Remove key ``h``; False if absent."""
-        r = self.locate(h)[1]
+        i, r = self.locate(h)
         if not r:
             return False
-        self.drop_rows((r,))
+        self.delete_at(i)
         return True
 
-    def drop_rows(self, rows: Iterable[int]) -> None:
+    def drop_rows(self, rows: Iterable[int], zero_keys: bool = False) -> None:
         """Remove the entries of ``rows``, found by row id from their keys' home slots (no key
-        comparisons on the way), each with a backward shift of the run behind it so no probe ever
-        crosses a hole. Their keys must still be in the column: the shifts read them. One call
-        for a subtree's or an eviction's rows."""
+        comparisons on the way). Their keys must still be in the column: the shifts read them
+        (with ``zero_keys`` each is zeroed once its entry is gone). One call for a subtree's or
+        an eviction's rows."""
         slots, keys, mask = self.slots, self.keys, self.mask
         for row in rows:
             h = keys[row]
@@ -113,17 +113,25 @@ class KeyIndex:
                     raise KeyError(f"row {row} is not in the map under {h:#x}")
                 i += 1
                 r = slots[i]
-            j = i
-            while True:
-                j += 1
-                r = slots[j]
-                if not r:
-                    break
-                if keys[r] & mask <= i:
-                    slots[i] = r
-                    i = j
-            slots[i] = 0
-            self.n -= 1
+            self.delete_at(i)
+            if zero_keys:
+                keys[row] = 0
+
+    def delete_at(self, i: int) -> None:
+        """Empty slot ``i`` (occupied); backward-shift the run behind it so no probe ever crosses a
+        hole."""
+        slots, keys, mask = self.slots, self.keys, self.mask
+        j = i
+        while True:
+            j += 1
+            r = slots[j]
+            if not r:
+                break
+            if keys[r] & mask <= i:
+                slots[i] = r
+                i = j
+        slots[i] = 0
+        self.n -= 1
 
     def _rebuild(self, bits: int) -> None:
         old = np.frombuffer(self.slots, dtype=np.uint32)

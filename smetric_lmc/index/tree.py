@@ -160,7 +160,7 @@ class GpuTree:
 
         Hot in the simulator (an eviction trims hundreds of blocks at once): the key map's entries
         go in one ``KeyIndex.drop_rows`` call at the end."""
-        key, eng, mid, par, kid, nxt = self.key, self.eng, self.mid, self.par, self.kid, self.nxt
+        eng, mid, par, kid, nxt = self.eng, self.mid, self.par, self.kid, self.nxt
         free = self.free
         rows, alias = self.rows, self.alias
         if par[x]:  # only the top one is unlinked: the rows below go with it
@@ -180,6 +180,7 @@ class GpuTree:
                         n_bit, n_drop = n_bit + nb, n_drop + nd
                     dec_id, dec = i, 0
                 dec += 1
+                mid[r] = 0  # a free row holds no mask (its key goes with its map entry below)
                 if eng[r]:  # rare here (the simulator has no engine hashes)
                     aliased.append(r)
                 gone.append(r)
@@ -194,9 +195,7 @@ class GpuTree:
             nb, nd = self._unref_run(dec_id, dec, bit, drop)
             n_bit, n_drop = n_bit + nb, n_drop + nd
         alias.drop_rows(aliased)  # all at once, while the rows still have their keys
-        rows.drop_rows(gone)
-        for r in gone:
-            key[r] = mid[r] = 0  # a free row (its eng column is reset when it is reused)
+        rows.drop_rows(gone, zero_keys=True)  # a free row (its eng column is reset when it is reused)
         free.extend(reversed(gone))  # a chain's rows come back lowest id last: reused as a run
         freed = len(gone)
         self.nodes -= freed
@@ -451,11 +450,12 @@ class GpuTree:
         bit holds counts as not found.
 
         The ingest hot loop: a leaf only this slot's fresh bit holds (what vLLM's eviction, tail
-        first, removes nearly always) is freed inline, its map entries deleted all at once at the
-        end; anything else goes through :meth:`clear`."""
+        first, removes nearly always) is freed inline (its engine-hash entry at the slot the probe
+        found, its key-map entry with the others at the end); anything else goes through
+        :meth:`clear`."""
         bits = bit | drop
         mval, mid, kid, nxt, prv, par = self.mval, self.mid, self.kid, self.nxt, self.prv, self.par
-        key, eng, free = self.key, self.eng, self.free
+        eng, free = self.eng, self.free
         alias, rows = self.alias, self.rows
         aslots, amask = alias.slots, alias.mask
         missing: list[int] = []
@@ -489,7 +489,8 @@ class GpuTree:
                     self._unlink(r)
                 else:  # an only child, as a chain's tail is
                     kid[p] = 0
-            mid[r] = 0  # no mask: a repeat of ``e`` in this batch finds the row held by no one
+            alias.delete_at(i)
+            mid[r] = 0  # a free row holds no mask
             gone.append(r)
             if mi != dec_id:
                 if dec:
@@ -498,12 +499,9 @@ class GpuTree:
             dec += 1
         if dec:
             self._unref(dec_id, dec)
-        # The maps' deletes wait until here (one call each): until then the rows keep their keys,
-        # which the backward shifts read, and no row freed here is reused.
-        alias.drop_rows(gone)
-        rows.drop_rows(gone)
-        for r in gone:
-            key[r] = 0  # a free row (its eng column is reset when it is reused)
+        # The key map's deletes wait until here (one call): until then the rows keep their keys,
+        # which its backward shifts read, and no row freed here is reused.
+        rows.drop_rows(gone, zero_keys=True)  # a free row (its eng column is reset when it is reused)
         free.extend(gone)
         freed = len(free) - f0
         if freed:
