@@ -205,8 +205,8 @@ def test_rows_freed_tail_first_are_reused_in_place_and_maps_grow_mid_store():
 
 
 def test_a_block_removed_twice_in_one_batch_is_freed_once():
-    """Removals free their map entries at the end of a batch: a hash repeated within it must find
-    its row already held by no one (unknown), not free it again."""
+    """Removals free their key-map entries at the end of a batch: a hash repeated within it must
+    count as unknown, not free its row again."""
     ix = TierIndex(16)
     for iid in ("a", "b"):
         ix.register_instance(iid)
