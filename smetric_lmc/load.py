@@ -241,10 +241,6 @@ class LoadTracker:
             self._min_load = min(self._at_load, default=0)
         return self.view
 
-    def loads_aligned(self, order: list[str], key: tuple[int, int]) -> list[int]:
-        """:meth:`aligned` as a fresh list."""
-        return self.aligned(order, key).dense()
-
     def loads(self, instance_ids: list[str], disaggregated: bool = False) -> list[int]:
         """The policy's load: in-flight requests (colocated) or unprefilled tokens (disaggregated)."""
         if disaggregated:
