@@ -20,7 +20,7 @@ with the same config. ``restart_first_route_s``: from starting the new process t
 decision naming an instance (``restart_first_route_after_start_s``: from the controller's own
 start, i.e. without the interpreter's start and imports). Once it has caught up, it is stopped with SIGTERM (it writes its
 index to the snapshot file) and ``restart_index_equal`` says whether that index equals one built
-by applying every batch the engine published (``smetric_lmc.index.snapshot.same_content``).
+by applying every batch the engine published (``tests/index_content.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ from smetric_lmc.gateway import Gateway
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as index_snapshot
 from smetric_lmc.workers.launch import free_ports
+
+# Index comparison is test code shared with tests/reliability, not package code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from index_content import same_content  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 METRICS = (
@@ -369,7 +373,7 @@ async def controller_restart(workdir: Path, batches: int = 1200) -> dict[str, An
         assert loaded is not None
         restarted = TierIndex(16)
         index_snapshot.restore(restarted, loaded)
-        diffs = index_snapshot.same_content(restarted, engine.truth(), ["e0"])
+        diffs = same_content(restarted, engine.truth(), ["e0"])
         out["restart_index_equal"] = not diffs and restarted.gpu_blocks_of("e0") > 0
         out["restart_index_blocks"] = restarted.gpu_blocks_of("e0")
         if diffs:

@@ -7,7 +7,7 @@ Phases, in order:
 
 1. hostile storm: a ``ControllerApp`` (route socket, LMCache worker sockets, one KV-event
    subscriber) runs in this process with a loop-lag probe on its event loop; a second process
-   plays the hostile peers: messages drawn from ``smetric_lmc.hostile`` (random, truncated, wrong
+   plays the hostile peers: messages drawn from ``tests/hostile.py`` (random, truncated, wrong
    types, deep nesting, huge lists, extreme integers, bad framing, protocol abuse) to the route
    ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
    as the engine the subscriber follows.
@@ -55,10 +55,13 @@ import zmq
 import zmq.asyncio
 from replicas import free_ports
 
-from smetric_lmc import hostile
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
+
+# The malformed-message generators are test code shared with tests/reliability, not package code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import hostile  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
@@ -53,13 +54,19 @@ class LoadTracker:
         # count + external, kept up to date so a route reads every instance's load with one C-level
         # map (at 1,024 instances two dict lookups per instance were most of the route's cost).
         self._total: dict[str, int] = {}
-        # The same totals laid out in the index's instance order (see ``loads_aligned``).
+        # The same totals laid out in the index's instance order (see ``aligned``), with their sum
+        # and, per load value, the positions at that load in order: a route then reads the mean
+        # and the least-loaded instance in O(1) instead of scanning every instance.
         self._aligned: list[int] = []
         self._aligned_pos: dict[str, int] = {}
         self._aligned_key: tuple[int, int] | None = None
         self.reconcile_left = False  # the last reconcile stopped at its budget
         self._draining: list[dict[str, _InFlight]] = []  # entries of removed instances, to forget
         self._dead = 0  # of those, how many the request map still holds
+        self._aligned_sum = 0
+        self._at_load: dict[int, list[int]] = {}
+        self._min_load = 0
+        self.view = AlignedLoads(self)
         self.stats = {"routed": 0, "done": 0, "unknown_done": 0, "healed": 0, "prefilled": 0,
                       "prefilled_inferred": 0, "expired": 0}
 
@@ -85,7 +92,7 @@ class LoadTracker:
         self._total.pop(instance_id, None)
         k = self._aligned_pos.get(instance_id)
         if k is not None:
-            self._aligned[k] = 0
+            self._move(k, 0)
 
     def on_route(self, request_id: str, instance_id: str, prompt_tokens: int, hit_tokens: int = 0) -> None:
         """Count a routed request; re-routing the same id moves it."""
@@ -242,19 +249,46 @@ class LoadTracker:
         self._total[instance_id] = value
         k = self._aligned_pos.get(instance_id)
         if k is not None:
-            self._aligned[k] = value
+            self._move(k, value)
 
-    def loads_aligned(self, order: list[str], key: tuple[int, int]) -> list[int]:
-        """In-flight loads (colocated) for every instance of ``order``, as a fresh list.
+    def _move(self, k: int, value: int) -> None:
+        """Position ``k`` of the aligned order now carries ``value``."""
+        old = self._aligned[k]
+        if old == value:
+            return
+        self._aligned[k] = value
+        self._aligned_sum += value - old
+        at = self._at_load
+        dst = at.get(value)
+        if dst is None:
+            at[value] = [k]
+        else:
+            insort(dst, k)
+        src = at[old]
+        del src[bisect_left(src, k)]
+        if value < self._min_load:
+            self._min_load = value
+        if not src:
+            del at[old]
+            if old == self._min_load:
+                self._min_load = min(at)  # O(distinct loads): a handful
+
+    def aligned(self, order: list[str], key: tuple[int, int]) -> AlignedLoads:
+        """In-flight loads (colocated) of every instance of ``order``, as a live view.
 
         ``key`` identifies the order (the router passes the index's identity and membership
-        counter): while it is unchanged the loads are kept laid out in that order as they change,
-        so a route copies one list instead of looking up every instance."""
+        counter): while it is unchanged the loads are kept laid out in that order, with their sum
+        and the positions at each load, as they change; a new key rebuilds them (O(instances))."""
         if key != self._aligned_key:
             self._aligned_key = key
             self._aligned_pos = {iid: k for k, iid in enumerate(order)}
             self._aligned = list(map(self._total.get, order, repeat(0)))
-        return self._aligned.copy()
+            self._aligned_sum = sum(self._aligned)
+            self._at_load = {}
+            for k, v in enumerate(self._aligned):
+                self._at_load.setdefault(v, []).append(k)
+            self._min_load = min(self._at_load, default=0)
+        return self.view
 
     def loads(self, instance_ids: list[str], disaggregated: bool = False) -> list[int]:
         """The policy's load: in-flight requests (colocated) or unprefilled tokens (disaggregated)."""
@@ -268,3 +302,31 @@ class LoadTracker:
 
     def __len__(self) -> int:
         return len(self._requests) - self._dead
+
+
+class AlignedLoads:
+    """A tracker's loads in the aligned instance order (:meth:`LoadTracker.aligned`), read live:
+    what a ``ClusterView`` asks of its loads, each in O(1) or O(log n)."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, tracker: LoadTracker) -> None:
+        self._t = tracker
+
+    def __len__(self) -> int:
+        return len(self._t._aligned)
+
+    def at(self, k: int) -> int:
+        return self._t._aligned[k]
+
+    def total(self) -> int:
+        return self._t._aligned_sum
+
+    def least(self, rr: int) -> int:
+        """Position of the least-loaded instance; ties broken round-robin in instance order (the
+        ``rr``-th of them, as ``policy.rr_argmin``)."""
+        ties = self._t._at_load[self._t._min_load]
+        return ties[rr % len(ties)]
+
+    def dense(self) -> list[int]:
+        return self._t._aligned.copy()

@@ -18,6 +18,7 @@ from smetric_lmc.config import PolicyConfig
 from smetric_lmc.index import Lookup, TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.policy import ClusterView, Policy, make_policy
+from smetric_lmc.policy.view import DenseHits, DenseLoads, Hits, Loads
 from smetric_lmc.wire import RouteDecision, TurnSource
 
 
@@ -72,58 +73,48 @@ class Router:
         bs = self.index.block_size
         est = (est_hit or 0) // bs * bs
         order = self.index.instances
-        local = found.local_hit_tokens()
+        hits: Hits
         if candidates is None:
             ids: Sequence[str] = order
-            hits = local
+            hits = found
         else:
             pos = {iid: k for k, iid in enumerate(order)}
             ids = [c for c in candidates if c in pos]
-            hits = [local[pos[c]] for c in ids]
+            hits = DenseHits([found.at(pos[c]) for c in ids])
         source = TurnSource.REQUEST
         if turn is None:
-            turn, est, source = _infer_turn(hits, est)
+            turn, est, source = _infer_turn(hits, len(ids), est)
+        loads: Loads
         if candidates is None and not self.disaggregated:
-            loads = self.load.loads_aligned(order, (id(self.index), self.index.membership))
+            # live, O(1) per question: read what the decision needs before on_route changes it
+            loads = self.load.aligned(order, (id(self.index), self.index.membership))
         else:
-            loads = self.load.loads(ids, self.disaggregated)
+            loads = DenseLoads(self.load.loads(ids, self.disaggregated))
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         infl = [float(self.load.in_flight(i)) for i in ids] if "in_flight" in policy.needs else None
-        view = ClusterView(
-            instances=ids,
-            local_hit=hits,
-            load=loads,
-            prompt_tokens=prompt_tokens,
-            turn=turn,
-            est_hit=est,
-            global_hit=found.global_hit_tokens,
-            unprefilled=unpre,
-            in_flight=infl,
-            rr=self._rr,
-        )
+        view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl, self._rr,
+                           hits=hits, loads=loads)
         self._rr += 1
         c = policy(view)
-        best = max(hits, default=0)
+        best = view.best_hit()[0]
         if c.index < 0:
             return RouteDecision(request_id, None, None, c.reason, policy.name, 0, found.global_hit_tokens, est, turn,
                                  prompt_tokens, 0.0, best, source)
         chosen = ids[c.index]
-        self.load.on_route(request_id, chosen, prompt_tokens, max(hits[c.index], found.global_hit_tokens))
-        return RouteDecision(request_id, chosen, None, c.reason, policy.name, hits[c.index], found.global_hit_tokens,
-                             est, turn, prompt_tokens, loads[c.index], best, source)
+        hit = hits.at(c.index)
+        load = loads.at(c.index)
+        self.load.on_route(request_id, chosen, prompt_tokens, max(hit, found.global_hit_tokens))
+        return RouteDecision(request_id, chosen, None, c.reason, policy.name, hit, found.global_hit_tokens,
+                             est, turn, prompt_tokens, load, best, source)
 
 
-def _infer_turn(hits: Sequence[int], est: int) -> tuple[int, int, TurnSource]:
+def _infer_turn(hits: Hits, n: int, est: int) -> tuple[int, int, TurnSource]:
     """(turn, est_hit, source) for a request that carried no turn (see the module docstring)."""
     if est > 0:
         return 1, est, TurnSource.EST_HIT
-    best = second = 0
-    for h in hits:
-        if h > best:
-            best, second = h, best
-        elif h > second:
-            second = h
-    if best > second:
+    best, holders = hits.best()
+    # a follow-up when one instance alone holds the longest hit
+    if best > 0 and (n if holders is None else len(holders)) == 1:
         return 1, best, TurnSource.INDEX_FOLLOW_UP
     return 0, 0, TurnSource.INDEX_FIRST_TURN

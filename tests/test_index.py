@@ -54,8 +54,12 @@ def test_local_hit_is_max_of_gpu_and_lmcache():
     ix.gpu_stored("i0", [7, 8], None, toks[:32], 16)
     ix.lmcache_admit("i0", [11])
     found = ix.lookup(fast_chain(toks, 16), [11])
+    assert found.at(0) == 64 and found.best() == (64, [0])  # sparse, before the dense list exists
     assert found.gpu_blocks[0] == 2 and found.lmcache_chunks[0] == 1
     assert found.local_hit_tokens()[0] == 64
+    ix.lmcache_admit("i2", [11])  # an LMCache-only holder of the same length ties with i0
+    found = ix.lookup(fast_chain(toks, 16), [11])
+    assert found.best() == (64, [0, 2]) and found.at(2) == 64 and found.at(1) == 0
 
 
 def test_global_tier_contiguous():
@@ -407,6 +411,12 @@ def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
             ix.maintain()
         q = path_to(parent, rng.choice(nodes))
         found = ix.lookup(q)
+        want = [16 * naive.local(i, q, clock[0]) for i in insts]
+        # the route's sparse queries, asked before anything dense is built
+        assert [found.at(k) for k in range(len(insts))] == want
+        top = max(want)
+        holders = [k for k, v in enumerate(want) if v == top]
+        assert found.best() == (top, None if top == 0 or len(holders) == len(insts) else holders)
         assert found.gpu_blocks == [naive.hit(i, q) for i in insts]
         assert found.stale_hit_tokens() == [16 * (naive.hit(i, q) - naive.hit(i, q, "fresh")) for i in insts]
         assert found.local_hit_tokens() == [16 * naive.local(i, q, clock[0]) for i in insts]

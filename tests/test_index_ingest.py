@@ -204,6 +204,27 @@ def test_rows_freed_tail_first_are_reused_in_place_and_maps_grow_mid_store():
     assert ix.lookup(ours).gpu_blocks == [3000]
 
 
+def test_a_block_removed_twice_in_one_batch_is_freed_once():
+    """Removals free their key-map entries at the end of a batch: a hash repeated within it must
+    count as unknown, not free its row again."""
+    ix = TierIndex(16)
+    for iid in ("a", "b"):
+        ix.register_instance(iid)
+    chain = list(range(1, 401))
+    engine = [x + (1 << 40) for x in chain]
+    toks = [tok for x in chain for tok in [x % 1000] * 16]
+    ix.gpu_stored("a", engine, None, toks, 16)
+    ix.gpu_stored("b", engine[:100], None, toks[: 100 * 16], 16)
+    tail = engine[::-1][:150]  # tail first, as vLLM evicts
+    assert ix.gpu_removed("a", tail + tail[:10] + [engine[399]]) == 150
+    check_tree(ix)
+    assert ix.stats["gpu_unknown_removed"] == 11
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [250, 100]
+    ix.gpu_stored("a", engine[250:], engine[249], toks[250 * 16:], 16)  # the freed rows come back
+    check_tree(ix)
+    assert ix.lookup(fast_chain(toks, 16)).gpu_blocks == [400, 100]
+
+
 def test_a_probe_run_into_the_maps_tail_grows_them_mid_store():
     """Made-up keys and engine hashes sharing their low 20 bits pile into one cluster that runs
     past the maps' tail within a single store."""
@@ -252,7 +273,7 @@ def test_key_index_matches_a_dict(seed, low_bits):
             if rng.random() < 0.5:
                 assert m.delete(h)
             else:
-                m.drop_row(h, r)
+                m.drop_rows((r,))
             keys[r] = 0
         else:
             h = (rng.getrandbits(44) << 20 | low_bits) & ((1 << 64) - 1) or 1

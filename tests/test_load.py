@@ -1,4 +1,5 @@
 from smetric_lmc.load import LoadTracker
+from smetric_lmc.policy import rr_argmin
 
 
 class Clock:
@@ -87,7 +88,11 @@ def test_loads_laid_out_in_the_index_order_track_every_change():
         else:  # the index's membership changes: a new instance joins the order
             order = order + [f"j{step}"]
             key = (1, key[1] + 1)
-        assert t.loads_aligned(order, key) == t.loads(order), step
+        assert t.aligned(order, key).dense() == t.loads(order), step
+        # the O(1) answers a route uses: the sum and the least loaded with rr_argmin's tie-breaking
+        view, want = t.aligned(order, key), t.loads(order)
+        assert view.total() == sum(want), step
+        assert [view.least(rr) for rr in range(3)] == [rr_argmin(want, rr) for rr in range(3)], step
 
 
 def test_a_removed_instance_is_forgotten_in_slices_and_its_entries_are_dead_meanwhile():

@@ -108,3 +108,41 @@ def test_inferred_follow_up_still_sheds_an_overloaded_instance():
     d = r.route("q", fast_chain(mine + [1] * 32, 16), None, 232)
     assert (d.turn_source, d.reason, d.instance_id) == (TurnSource.INDEX_FOLLOW_UP, Reason.OVERLOADED, "i1")
     assert r.load.in_flight("i1") == 1
+
+
+def test_every_policy_decides_as_on_the_dense_view():
+    """The router answers policies from the lookup's hit groups and the tracker's load buckets;
+    each decision must equal the policy's choice on plain per-instance lists of the same state
+    (ties, shared prefixes, LMCache-only holders, pending prompts and missing turns included)."""
+    import random
+
+    from smetric_lmc.policy import POLICY_NAMES, ClusterView, make_policy
+
+    rng = random.Random(11)
+    for name in POLICY_NAMES:
+        r = cluster(5, name)
+        ix, ids = r.index, r.index.instances
+        shared = list(range(10_000, 10_064))
+        prompts = [shared + [rng.randrange(1000) for _ in range(rng.choice((16, 64, 128)))] for _ in range(12)]
+        for step in range(150):
+            p = rng.choice(prompts)
+            inst = rng.choice(ids)
+            op = rng.random()
+            if op < 0.3:
+                ix.gpu_stored_hashes(inst, fast_chain(p[: rng.randrange(16, len(p) + 1)], 16))
+            elif op < 0.4:
+                ix.lmcache_admit(inst, fast_chain(p, 64))
+            elif op < 0.5:
+                r.load.on_done(rng.choice(list(r.load._requests) or ["none"]))
+            blocks, chunks = fast_chain(p, 16), fast_chain(p, 64)
+            turn = rng.choice((None, 0, 1))
+            found = ix.lookup(blocks, chunks)
+            c, loads = found.local_hit_tokens(), r.load.loads(ids)
+            unpre = [float(r.load.unprefilled(i)) for i in ids]
+            got = r.decide(f"q{step}", ix.lookup(blocks, chunks), len(p), turn=turn, est_hit=64 * rng.randrange(2))
+            dense = ClusterView(ids, c, loads, len(p), got.turn, got.est_hit_tokens, found.global_hit_tokens,
+                                unpre, [float(x) for x in loads], r._rr - 1)
+            want = make_policy(PolicyConfig(name=name))(dense)
+            assert (got.instance_id, got.reason) == (ids[want.index], want.reason), (name, step)
+            assert got.local_hit_tokens == c[want.index] and got.best_local_hit_tokens == max(c), (name, step)
+            assert got.load == loads[want.index], (name, step)

@@ -46,8 +46,9 @@ with ``lora_name`` / ``extra_keys`` / ``lora_id``), ``gpu_stored_hashes`` / ``gp
 ``stale_instances``, ``add_pending``, ``root_for``, ``register_adapter``; LMCache tier
 ``lmcache_admit`` / ``lmcache_evict`` / ``lmcache_cleared``; global tier ``global_stored`` /
 ``global_removed`` / ``global_reset`` / ``global_contains``; ``lookup(blocks, chunks) -> Lookup``
-(``local_hit_tokens()``, ``gpu_blocks``, ``lmcache_chunks``, ``global_hit_tokens``,
-``stale_hit_tokens()``); upkeep ``expire`` / ``maintain``; introspection ``gpu_blocks_of``,
+(``best()`` and ``at(i)``: the longest local hit with its holders and one instance's hit, in
+O(distinct hit lengths), as a route asks; per-instance lists ``local_hit_tokens()``,
+``gpu_blocks``, ``lmcache_chunks``, ``stale_hit_tokens()``; ``global_hit_tokens``); upkeep ``expire`` / ``maintain``; introspection ``gpu_blocks_of``,
 ``gpu_block_counts``, ``sizes``, ``stats``.
 
 Storage (see ``tree``): GPU blocks are rows of array columns behind an open-addressing map, holder

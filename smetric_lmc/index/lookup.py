@@ -10,29 +10,88 @@ Groups = list[tuple[int, int]]  # (slot mask, hit length): disjoint masks, one p
 
 
 class Lookup:
-    """Result of a prefix lookup. Per-instance lists are indexed like ``TierIndex.instances``."""
+    """Result of a prefix lookup, kept as hit groups (slot mask, length) per tier.
 
-    __slots__ = ("local_tokens", "global_chunks", "block_size", "chunk_size", "stale_blocks", "_gpu", "_lmc",
-                 "_pos", "_n", "_all")
+    Per-instance lists (indexed like ``TierIndex.instances``) are built only when asked for; a
+    route asks instead for the longest hit and its holders (:meth:`best`) and for one instance's
+    hit (:meth:`at`), which cost O(distinct hit lengths + holders), not O(instances)."""
 
-    def __init__(self, local_tokens: list[int], gpu: Groups, lmc: Groups, global_chunks: int, block_size: int,
-                 chunk_size: int, pos: list[int], n: int, all_mask: int, stale_blocks: list[int] | None) -> None:
-        self.local_tokens = local_tokens  # per instance: max of GPU (+ pending) hit and LMCache hit
+    __slots__ = ("global_chunks", "block_size", "chunk_size", "_gpu", "_fresh", "_lmc", "_pending", "_pos",
+                 "_slots", "_n", "_all", "_local", "_best", "_src")
+
+    def __init__(self, gpu: Groups, fresh: Groups | None, lmc: Groups, pending: list[tuple[int, int]],
+                 global_chunks: int, block_size: int, chunk_size: int, pos: list[int], slots: list[int],
+                 all_mask: int) -> None:
         self.global_chunks = global_chunks
         self.block_size = block_size
         self.chunk_size = chunk_size
-        self.stale_blocks = stale_blocks  # per instance: GPU hit blocks only held stale; None = none
-        self._gpu, self._lmc, self._pos, self._n, self._all = gpu, lmc, pos, n, all_mask
+        # fresh: the GPU groups over fresh entries only (None when no instance has stale entries);
+        # pending: (slot, blocks) credits of routed prompts this one extends.
+        self._gpu, self._fresh, self._lmc, self._pending = gpu, fresh, lmc, pending
+        self._pos, self._slots, self._n, self._all = pos, slots, len(slots), all_mask
+        self._local: list[int] | None = None
+        self._best: tuple[int, list[int] | None] | None = None
+        self._src: tuple[tuple[Groups, int], ...] | None = None
 
     def local_hit_tokens(self) -> list[int]:
-        return self.local_tokens
+        """Per instance: the longest of its GPU (+ pending) hit and its LMCache hit, in tokens."""
+        if self._local is None:
+            pos, n, bs = self._pos, self._n, self.block_size
+            local = expand(self._gpu, bs, pos, n, self._all)
+            for slot, length in self._pending:
+                p = pos[slot]
+                if p >= 0 and local[p] < length * bs:
+                    local[p] = length * bs
+            if self._lmc:
+                local = [max(a, b) for a, b in zip(local, expand(self._lmc, self.chunk_size, pos, n, self._all))]
+            self._local = local
+        return self._local
+
+    def _sources(self) -> tuple[tuple[Groups, int], ...]:
+        """Every hit source with its token scale: GPU groups, pending credits, LMCache groups."""
+        if self._src is None:
+            pos = self._pos
+            pending = [(1 << slot, length) for slot, length in self._pending if pos[slot] >= 0]
+            self._src = (self._gpu, self.block_size), (pending, self.block_size), (self._lmc, self.chunk_size)
+        return self._src
+
+    def best(self) -> tuple[int, list[int] | None]:
+        """(the longest local hit in tokens, positions of the instances holding it in instance
+        order, or None when every instance does)."""
+        if self._best is None:
+            top = mask = 0
+            for groups, scale in self._sources():
+                for m, v in groups:
+                    t = v * scale
+                    if t > top:
+                        top, mask = t, m
+                    elif t == top:
+                        mask |= m
+            if top == 0 or mask == self._all:
+                self._best = (top, None)
+            else:
+                self._best = (top, sorted(positions(mask, self._pos)))
+        return self._best
+
+    def at(self, p: int) -> int:
+        """Instance ``p``'s local hit in tokens."""
+        if self._local is not None:
+            return self._local[p]
+        bit = 1 << self._slots[p]
+        top = 0
+        for groups, scale in self._sources():
+            for m, v in groups:
+                if m & bit and v * scale > top:
+                    top = v * scale
+        return top
 
     def stale_hit_tokens(self) -> list[int]:
         """Per instance: how many of its GPU hit tokens come from entries marked stale (the hit's
         tail: a fresh store refreshes everything above it)."""
-        if self.stale_blocks is None:
+        if self._fresh is None:
             return [0] * self._n
-        return [b * self.block_size for b in self.stale_blocks]
+        pos, n, a = self._pos, self._n, self._all
+        return [(x - y) * self.block_size for x, y in zip(expand(self._gpu, 1, pos, n, a), expand(self._fresh, 1, pos, n, a))]
 
     @property
     def gpu_blocks(self) -> list[int]:
@@ -45,6 +104,16 @@ class Lookup:
     @property
     def global_hit_tokens(self) -> int:
         return self.global_chunks * self.chunk_size
+
+
+def positions(mask: int, pos: list[int]) -> list[int]:
+    """Instance positions of the slots in ``mask``, in bit order."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(pos[low.bit_length() - 1])
+        mask ^= low
+    return out
 
 
 def bisect(chain: Sequence[int], rows: KeyIndex, mid: Sequence[int], view: Sequence[int],

@@ -17,6 +17,7 @@ numpy scalar boxing; a route lookup does a few dozen of them.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -97,21 +98,28 @@ class KeyIndex:
         self.delete_at(i)
         return True
 
-    def drop_row(self, h: int, row: int) -> None:
-        """Remove the entry of ``row``, whose key is ``h`` (no key comparisons on the way)."""
-        slots = self.slots
-        i = h & self.mask
-        r = slots[i]
-        while r != row:
-            if not r:
-                raise KeyError(f"row {row} is not in the map under {h:#x}")
-            i += 1
+    def drop_rows(self, rows: Iterable[int], zero_keys: bool = False) -> None:
+        """Remove the entries of ``rows``, found by row id from their keys' home slots (no key
+        comparisons on the way). Their keys must still be in the column: the shifts read them
+        (with ``zero_keys`` each is zeroed once its entry is gone). One call for a subtree's or
+        an eviction's rows."""
+        slots, keys, mask = self.slots, self.keys, self.mask
+        for row in rows:
+            h = keys[row]
+            i = h & mask
             r = slots[i]
-        self.delete_at(i)
+            while r != row:
+                if not r:
+                    raise KeyError(f"row {row} is not in the map under {h:#x}")
+                i += 1
+                r = slots[i]
+            self.delete_at(i)
+            if zero_keys:
+                keys[row] = 0
 
     def delete_at(self, i: int) -> None:
         """Empty slot ``i`` (occupied); backward-shift the run behind it so no probe ever crosses a
-        hole. """
+        hole."""
         slots, keys, mask = self.slots, self.keys, self.mask
         j = i
         while True:

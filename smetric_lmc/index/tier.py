@@ -10,7 +10,7 @@ import numpy as np
 import xxhash
 
 from smetric_lmc.hashing import FAST_ROOT, fast_chain
-from smetric_lmc.index.lookup import Groups, Lookup, bisect, expand, walk
+from smetric_lmc.index.lookup import Groups, Lookup, bisect, walk
 from smetric_lmc.index.side import Orphans, Pending
 from smetric_lmc.index.tree import GpuTree
 
@@ -548,34 +548,22 @@ class TierIndex:
         """Every instance's contiguous hit for a prompt given as its chains of block/chunk hashes."""
         if self.clock() >= self._due:
             self.expire()
-        n = len(self._order)
-        pos, all_mask = self._pos, self._all_mask
-        bs, cs = self.block_size, self.chunk_size
         tree = self._tree
         rows = tree.rows
         gpu = bisect(blocks, rows, tree.mid, tree.view, tree.run)
-        local = expand(gpu, bs, pos, n, all_mask)
-        stale = None
-        if tree.fresh is not None and gpu:
-            fresh = bisect(blocks, rows, tree.mid, tree.fresh, tree.run)
-            stale = [a - b for a, b in zip(expand(gpu, 1, pos, n, all_mask), expand(fresh, 1, pos, n, all_mask))]
-        if self._pending:
-            for slot, length in self._pending.credits(blocks):
-                p = pos[slot]
-                if p >= 0 and local[p] < length * bs:
-                    local[p] = length * bs
+        fresh = bisect(blocks, rows, tree.mid, tree.fresh, tree.run) if tree.fresh is not None and gpu else None
+        pending = self._pending.credits(blocks) if self._pending else []
         lmc: Groups = []
         g = 0
         if chunks:
             lmc = walk(chunks, self._lmc.get)
-            if lmc:
-                local = [max(a, b) for a, b in zip(local, expand(lmc, cs, pos, n, all_mask))]
             glob = self._global
             for h in chunks:
                 if h not in glob:
                     break
                 g += 1
-        return Lookup(local, gpu, lmc, g, bs, cs, pos, n, all_mask, stale)
+        return Lookup(gpu, fresh, lmc, pending, g, self.block_size, self.chunk_size, self._pos, self._order_slots,
+                      self._all_mask)
 
     # ---- introspection -------------------------------------------------------------------------
     def gpu_blocks_of(self, instance_id: str) -> int:

@@ -145,29 +145,32 @@ class GpuTree:
     def find(self, h: int) -> int:
         return self.rows.find(h)
 
+    def _unlink(self, x: int) -> None:
+        """Take row ``x`` out of its parent's list of children."""
+        prv, nxt = self.prv, self.nxt
+        a, b = prv[x], nxt[x]
+        if a:
+            nxt[a] = b
+        else:
+            self.kid[self.par[x]] = b
+        if b:
+            prv[b] = a
+
     def _free_subtree(self, x: int, bit: int = 0, drop: int = 0) -> tuple[int, int]:
         """Free row ``x`` and every row below it, which hold nothing but ``bit``/``drop`` (or
         nothing: garbage). Returns how many of them carried ``bit`` and ``drop``.
 
-        Hot in the simulator (an eviction trims hundreds of blocks at once): the key map's delete
-        is inlined (as ``KeyIndex.drop_row``: the entry found by its row id)."""
-        key, eng, mid, par, kid, nxt, prv = self.key, self.eng, self.mid, self.par, self.kid, self.nxt, self.prv
-        mval, free = self.mval, self.free
+        Hot in the simulator (an eviction trims hundreds of blocks at once): the key map's entries
+        go in one ``KeyIndex.drop_rows`` call at the end."""
+        eng, mid, par, kid, nxt = self.eng, self.mid, self.par, self.kid, self.nxt
+        free = self.free
         rows, alias = self.rows, self.alias
-        rslots, rmask = rows.slots, rows.mask
-        p = par[x]
-        if p:  # only the top one is unlinked: the rows below go with it
-            a, b = prv[x], nxt[x]
-            if a:
-                nxt[a] = b
-            else:
-                kid[p] = b
-            if b:
-                prv[b] = a
+        if par[x]:  # only the top one is unlinked: the rows below go with it
+            self._unlink(x)
+        gone: list[int] = []
+        aliased: list[int] = []
         n_bit = n_drop = dec = 0
         dec_id = -1  # mask refcounts drop by runs: a chain's rows share one mask id
-        mb = md = 0
-        gone: list[int] = []
         stack = [x]
         while stack:
             r = stack.pop()
@@ -175,35 +178,13 @@ class GpuTree:
                 i = mid[r]
                 if i != dec_id:
                     if dec:
-                        self._unref(dec_id, dec)
-                        if mb:
-                            n_bit += dec
-                        if md:
-                            n_drop += dec
+                        nb, nd = self._unref_run(dec_id, dec, bit, drop)
+                        n_bit, n_drop = n_bit + nb, n_drop + nd
                     dec_id, dec = i, 0
-                    m = mval[i]
-                    mb, md = m & bit, m & drop
                 dec += 1
-                h = key[r]
-                i = h & rmask
-                y = rslots[i]
-                while y != r:
-                    i += 1
-                    y = rslots[i]
-                j = i
-                while True:
-                    j += 1
-                    y = rslots[j]
-                    if not y:
-                        break
-                    if key[y] & rmask <= i:
-                        rslots[i] = y
-                        i = j
-                rslots[i] = 0
-                e = eng[r]
-                if e:  # rare here (the simulator has no engine hashes): not inlined
-                    alias.drop_row(e, r)
-                key[r] = mid[r] = 0  # a free row (its eng column is reset when it is reused)
+                mid[r] = 0  # a free row holds no mask (its key goes with its map entry below)
+                if eng[r]:  # rare here (the simulator has no engine hashes)
+                    aliased.append(r)
                 gone.append(r)
                 c = kid[r]
                 if c:
@@ -213,14 +194,12 @@ class GpuTree:
                         y = nxt[y]
                 r = c
         if dec:
-            self._unref(dec_id, dec)
-            if mb:
-                n_bit += dec
-            if md:
-                n_drop += dec
+            nb, nd = self._unref_run(dec_id, dec, bit, drop)
+            n_bit, n_drop = n_bit + nb, n_drop + nd
+        alias.drop_rows(aliased)  # all at once, while the rows still have their keys
+        rows.drop_rows(gone, zero_keys=True)  # a free row (its eng column is reset when it is reused)
         free.extend(reversed(gone))  # a chain's rows come back lowest id last: reused as a run
         freed = len(gone)
-        rows.n -= freed
         self.nodes -= freed
         return n_bit, n_drop
 
@@ -473,15 +452,16 @@ class GpuTree:
         bit holds counts as not found.
 
         The ingest hot loop: a leaf only this slot's fresh bit holds (what vLLM's eviction, tail
-        first, removes nearly always) is freed inline, the engine-hash map's delete included (as
-        ``KeyIndex.delete_at``, at the slot the probe found); anything else goes through
+        first, removes nearly always) is freed inline (its engine-hash entry at the slot the probe
+        found, its key-map entry with the others at the end); anything else goes through
         :meth:`clear`."""
         bits = bit | drop
         mval, mid, kid, nxt, prv, par = self.mval, self.mid, self.kid, self.nxt, self.prv, self.par
-        key, eng, free = self.key, self.eng, self.free
+        eng, free = self.eng, self.free
         alias, rows = self.alias, self.rows
         aslots, amask = alias.slots, alias.mask
         missing: list[int] = []
+        gone: list[int] = []
         slow = dec = 0
         dec_id = -1  # mask refcounts drop by runs: a run of leaves shares one mask id
         f0 = len(free)
@@ -507,40 +487,35 @@ class GpuTree:
                 continue
             p = par[r]
             if p:
-                a = prv[r]
-                b = nxt[r]
-                if a:
-                    nxt[a] = b
-                else:
-                    kid[p] = b
-                if b:
-                    prv[b] = a
-            j = i
-            while True:
-                j += 1
-                x = aslots[j]
-                if not x:
-                    break
-                if eng[x] & amask <= i:
-                    aslots[i] = x
-                    i = j
-            aslots[i] = 0
-            rows.drop_row(key[r], r)
-            key[r] = mid[r] = 0  # a free row (its eng column is reset when it is reused)
+                if prv[r] or nxt[r]:
+                    self._unlink(r)
+                else:  # an only child, as a chain's tail is
+                    kid[p] = 0
+            alias.delete_at(i)
+            mid[r] = 0  # a free row holds no mask
+            gone.append(r)
             if mi != dec_id:
                 if dec:
                     self._unref(dec_id, dec)
                 dec_id, dec = mi, 0
             dec += 1
-            free.append(r)
         if dec:
             self._unref(dec_id, dec)
+        # The key map's deletes wait until here (one call): until then the rows keep their keys,
+        # which its backward shifts read, and no row freed here is reused.
+        rows.drop_rows(gone, zero_keys=True)  # a free row (its eng column is reset when it is reused)
+        free.extend(gone)
         freed = len(free) - f0
         if freed:
-            alias.n -= freed
             self.nodes -= freed
             self.count[bit] -= freed
         return freed + slow, missing
+
+    def _unref_run(self, i: int, n: int, bit: int, drop: int) -> tuple[int, int]:
+        """Release ``n`` rows of mask id ``i``; returns how many of them carried ``bit``, ``drop``."""
+        m = self.mval[i]
+        self._unref(i, n)
+        return (n if m & bit else 0), (n if m & drop else 0)
 
     def _unref(self, i: int, n: int) -> None:
         left = self.mref[i] - n

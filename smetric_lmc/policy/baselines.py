@@ -18,7 +18,9 @@ def _by_score(view: ClusterView, scores: Sequence[float]) -> Choice:
 @register("load_balance")
 def load_balance(view: ClusterView) -> Choice:
     """Join-shortest-queue: f = l[i] (vLLM production-stack's default)."""
-    return _by_score(view, view.load)
+    if not view.instances:
+        return NO_INSTANCE
+    return Choice(view.least_loaded(), Reason.SCORED)
 
 
 def bailian_scores(view: ClusterView, lam: float) -> list[float]:
@@ -70,8 +72,6 @@ def round_robin(view: ClusterView) -> Choice:
 @register("cache_first")
 def cache_first(view: ClusterView) -> Choice:
     """Pure argmax c; ties to the least loaded."""
-    n = len(view.instances)
-    if n == 0:
+    if not view.instances:
         return NO_INSTANCE
-    best = max(view.local_hit)
-    return Choice(rr_argmin(view.load, view.rr, [i for i in range(n) if view.local_hit[i] == best]), Reason.CACHE_FIRST)
+    return Choice(view.holder(), Reason.CACHE_FIRST)

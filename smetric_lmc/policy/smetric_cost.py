@@ -54,25 +54,20 @@ def cost_scores(view: ClusterView, p: SMetricCostParams) -> list[float]:
 @register("smetric_cost", params=lambda cfg: {
     "p": SMetricCostParams(cfg.hit_ratio, cfg.cost_fetch_discount, cfg.lmetric_load_offset, cfg.overload)})
 def smetric_cost(view: ClusterView, p: SMetricCostParams = SMetricCostParams()) -> Choice:
-    n = len(view.instances)
-    if n == 0:
+    if not view.instances:
         return NO_INSTANCE
-    c, load = view.local_hit, view.load
-    best = max(c)
+    best = view.best_hit()[0]
     if view.turn == 0:
         if best > view.global_hit:
             # the shared prefix is not fetchable: the least loaded of its holders, unless all are overloaded
-            mean = sum(load) / n
-            held = [i for i in range(n) if c[i] == best and load[i] <= p.overload * mean]
+            limit = p.overload * view.mean_load()
+            holders = view.best_hit()[1]
+            held = [i for i in (range(len(view.instances)) if holders is None else holders) if view.load_of(i) <= limit]
             if held:
-                return Choice(rr_argmin(load, view.rr, held), Reason.FIRST_TURN)
-        return Choice(rr_argmin(load, view.rr), Reason.FIRST_TURN)
+                return Choice(view.least_loaded(held), Reason.FIRST_TURN)
+        return Choice(view.least_loaded(), Reason.FIRST_TURN)
     f = cost_scores(view, p)
-    s = (
-        c.index(best)
-        if c.count(best) == 1
-        else rr_argmin(load, view.rr, [i for i in range(n) if c[i] == best])
-    )
+    s = view.holder()
     k = rr_argmin(f, view.rr)
     if f[s] <= f[k]:
         return Choice(s, Reason.STICKY)

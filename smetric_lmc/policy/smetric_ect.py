@@ -73,8 +73,7 @@ def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     k = rr_argmin(ect_scores(view, p), view.rr)
     if view.turn == 0:
         return Choice(k, Reason.FIRST_TURN)
-    c = view.local_hit
-    best = max(c)
-    if c[k] == best:
+    best = view.best_hit()[0]
+    if view.hit(k) == best:
         return Choice(k, Reason.STICKY)
     return Choice(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)

@@ -8,6 +8,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import hostile
 import msgspec
 import pytest
 import zmq
@@ -15,7 +16,6 @@ import zmq.asyncio
 from helpers import wait_for
 from services import free_port
 
-from smetric_lmc import hostile
 from smetric_lmc.config import ConfigError, LimitsConfig, parse_config
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted

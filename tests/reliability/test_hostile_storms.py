@@ -2,7 +2,7 @@
 
 A ``ControllerApp`` runs in-process with its route socket, its LMCache worker sockets and a KV
 event subscriber following a stand-in engine (a real XPUB and replay ROUTER on loopback). Each
-storm draws its messages from ``smetric_lmc.hostile`` with a fixed seed, then checks that every
+storm draws its messages from ``tests/hostile.py`` with a fixed seed, then checks that every
 request that reached a handler was answered, nothing crashed, and a valid request still works.
 The storms are small here (thousands of messages, seconds); ``bench/soak.py`` runs the large ones.
 """
@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import hostile
 import msgspec
 import pytest
 import zmq
@@ -22,7 +23,6 @@ import zmq.asyncio
 from helpers import wait_for
 from services import free_port
 
-from smetric_lmc import hostile
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller import lmcache_proto as P

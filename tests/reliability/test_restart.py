@@ -14,6 +14,7 @@ from pathlib import Path
 
 import zmq.asyncio
 from helpers import wait_for
+from index_content import same_content
 from services import fixture_path
 
 from smetric_lmc.client import AsyncRouteClient
@@ -59,7 +60,7 @@ async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path:
         await wait_for(lambda: first.subscribers["a"].stats.last_seq == 5, what="batch 5 applied")
         await first.close()  # a clean stop writes the snapshot
         assert S.read(path) is not None and S.read(path).instances["a"].seq == 5  # type: ignore[union-attr]
-        assert S.same_content(first.index, _truth(engine.frames, 5), ["a"]) == []
+        assert same_content(first.index, _truth(engine.frames, 5), ["a"]) == []
 
         for seq in range(6, last + 1):  # the engine goes on while no controller listens
             await engine.publish(seq)
@@ -72,7 +73,7 @@ async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path:
             assert second.snapshot_stats["restored_blocks"] > 0
             assert engine.replay_requests == [6]  # from the batch after the snapshot's, not from 0
             assert sub.stats.last_seq == last and sub.stats.gaps == 0
-            assert S.same_content(second.index, _truth(engine.frames, last), ["a"]) == []
+            assert same_content(second.index, _truth(engine.frames, last), ["a"]) == []
             async with AsyncRouteClient(second.service.endpoint or "", timeout_s=3.0) as client:
                 d = await client.route("r1", token_ids=[1] * 64, turn=0)
                 assert d.index_ready is True and d.instance_id == "a"
@@ -135,6 +136,6 @@ async def test_routes_are_answered_while_a_large_snapshot_is_restored(tmp_path: 
             assert app.core.catching_up and d.index_ready is False and d.instance_id in ("i0", "i1")
             await wait_for(lambda: not app.core.catching_up, 30.0, "restore")
             assert answered < app.snapshot_stats["restore_s"]
-            assert S.same_content(app.index, idx) == []
+            assert same_content(app.index, idx) == []
     finally:
         await app.close()

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+from index_content import same_content
 
 from smetric_lmc.hashing import fast_chain
 from smetric_lmc.index import TierIndex
@@ -52,16 +53,16 @@ def test_round_trip_restores_the_same_index(tmp_path: Path) -> None:
     fresh = TierIndex(BS, 8)
     restored = S.restore(fresh, back)
     assert restored["a"] == idx.gpu_blocks_of("a") > 0
-    assert S.same_content(idx, fresh) == []
+    assert same_content(idx, fresh) == []
     assert fresh.stale_instances() == ["b"] and 0 < sum(back.instances["b"].stale) < idx.gpu_blocks_of("b")
-    assert S.same_content(idx, TierIndex(BS, 8)) != []  # (the comparison can tell)
+    assert same_content(idx, TierIndex(BS, 8)) != []  # (the comparison can tell)
     # Engine hashes came back too, an instance's own included (c hashed the shared prefix
     # differently from a): a removal reported by engine hash lands the same in both.
     c = idx.export_instance("c")
     root_engs = [int(e) for e, par in zip(c["eng"], c["parent"]) if par == 0 and e]
     assert root_engs
     assert idx.gpu_removed("c", root_engs[:1]) == fresh.gpu_removed("c", root_engs[:1]) == 1
-    assert S.same_content(idx, fresh) == []
+    assert same_content(idx, fresh) == []
     assert idx.gpu_blocks_of("c") == fresh.gpu_blocks_of("c") == 5  # only the hash-space chain is left
 
 
