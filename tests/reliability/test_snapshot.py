@@ -90,7 +90,7 @@ def test_a_forked_write_saves_the_index_as_it_was_at_the_fork(tmp_path: Path) ->
     restored, expected = TierIndex(BS, 8), TierIndex(BS, 8)
     S.restore(restored, back)
     S.restore(expected, before)
-    assert restored.gpu_blocks_of("a") > 0 and S.same_content(restored, expected) == []
+    assert restored.gpu_blocks_of("a") > 0 and same_content(restored, expected) == []
 
 
 def test_a_write_removes_what_a_writer_killed_mid_write_left(tmp_path: Path) -> None:
