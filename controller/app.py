@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -402,11 +403,16 @@ class ControllerApp:
                     reconcile_interval_s=gs.reconcile_interval_s,
                 )
             elif gs.kind == "mooncake":
-                from .global_mooncake import MooncakeGlobalTier
+                from .global_mooncake import MooncakeGlobalTier, open_store_probe
 
+                probe = None
+                if gs.master_addr and gs.metadata_server:
+                    master_addr, metadata_server = gs.master_addr, gs.metadata_server
+                    probe = functools.partial(open_store_probe, master_addr, metadata_server)
                 self.global_tier = MooncakeGlobalTier(
                     self.index, model=model, world_size=gs.world_size, events_endpoint=gs.events_endpoint,
                     master_http_url=gs.master_http, reconcile_interval_s=gs.reconcile_interval_s,
+                    open_store=probe,
                 )
             else:
                 return

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -74,6 +74,7 @@ class MooncakeGlobalTier(GlobalTierView):
         master_http_url: str | None,
         reconcile_interval_s: float = 30.0,
         store: ExistenceProbe | None = None,
+        open_store: Callable[[], ExistenceProbe] | None = None,
         num_layers: int | None = None,
         clear_on_outage: bool = True,
         http_timeout_s: float = 5.0,
@@ -97,6 +98,7 @@ class MooncakeGlobalTier(GlobalTierView):
         self.master_http_url = master_http_url.rstrip("/") if master_http_url else None
         self.reconcile_interval_s = reconcile_interval_s
         self._store = store
+        self._open_store = open_store  # opened off the loop when run() starts (a blocking C++ setup)
         self._http_timeout_s = http_timeout_s
         self._probe_batch = probe_batch
         self._backoff_max_s = backoff_max_s
@@ -126,6 +128,14 @@ class MooncakeGlobalTier(GlobalTierView):
 
     async def run(self) -> None:
         self._task = asyncio.current_task()
+        if self._store is None and self._open_store is not None:
+            try:
+                self._store = await asyncio.to_thread(self._open_store)
+                log.info("mooncake global tier for %s: store client up for batch_is_exist", self.model)
+            except Exception as exc:  # noqa: BLE001 - a peer's failure: log, count, go on without it
+                self._counters["probe_errors"] += 1
+                log.error("mooncake global tier for %s: store client setup failed (%s): no batch_is_exist "
+                          "reconciliation", self.model, exc)
         loops = []
         if self.events_endpoint:
             loops.append(self._events_loop())
@@ -150,6 +160,11 @@ class MooncakeGlobalTier(GlobalTierView):
         self._wake.set()
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        if self._open_store is not None and self._store is not None:  # ours: opened in run()
+            store, self._store = self._store, None
+            close = getattr(store, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
 
     # ---- events --------------------------------------------------------------------------------------
 

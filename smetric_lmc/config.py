@@ -101,6 +101,10 @@ class GlobalStoreConfig(_Cfg):
     url: str | None = None  # redis://127.0.0.1:6379/0
     events_endpoint: str | None = None  # Mooncake master KV events (ZMQ PUB)
     master_http: str | None = None  # Mooncake master HTTP (GET /get_all_keys)
+    # With both: a store client (no memory of its own) answers batch_is_exist on the keys we know,
+    # for masters that expose no key listing. Needs the mooncake extra.
+    master_addr: str | None = None  # Mooncake master RPC, host:port
+    metadata_server: str | None = None  # e.g. http://127.0.0.1:8080/metadata or P2PHANDSHAKE
     model: str = ""  # LMCache key model name
     world_size: int = 1
     reconcile_interval_s: float = 30.0

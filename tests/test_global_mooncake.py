@@ -8,6 +8,7 @@ everything else talks to a real ``mooncake_master`` from the PyPI wheel.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -240,10 +241,13 @@ async def test_real_master_reconcile_yields_live_set(publisher: Publisher) -> No
 
                 # Probe mode: events told us about all five; a separate zero-memory client's
                 # batch_is_exist finds the removed one gone.
-                probe = await asyncio.to_thread(open_store_probe, master.master_addr, master.metadata_url)
+                # The tier opens that client itself, off the loop, as the controller configures it
+                # (global_store.master_addr + metadata_server), and closes it with itself.
                 probe_sink = RecorderSink()
-                prober = MooncakeGlobalTier(probe_sink, model=MODEL, events_endpoint=publisher.endpoint,
-                                            master_http_url=None, store=probe, reconcile_interval_s=60.0)
+                prober = MooncakeGlobalTier(
+                    probe_sink, model=MODEL, events_endpoint=publisher.endpoint, master_http_url=None,
+                    open_store=functools.partial(open_store_probe, master.master_addr, master.metadata_url),
+                    reconcile_interval_s=60.0)
                 probe_task = await start(prober)
                 try:
                     await publisher.wait_subscriber()
@@ -251,10 +255,10 @@ async def test_real_master_reconcile_yields_live_set(publisher: Publisher) -> No
                     await wait_for(lambda: probe_sink.chunks == set(hashes), what="events")
                     assert await prober.reconcile()
                     assert probe_sink.chunks == live and probe_sink.calls[-1][0] == "reset"
+                    assert prober.stats["probe_errors"] == 0
                 finally:
                     await prober.close()
-                    await asyncio.to_thread(probe.close)
-                assert probe_task.exception() is None
+                assert probe_task.exception() is None and prober._store is None
 
                 # A client that goes away takes its segment's objects with it, silently.
                 await asyncio.to_thread(store.close)
