@@ -143,6 +143,10 @@ def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: Re
     model), decode time per token jumps with which requests overlap and the fit is ill posed."""
     d_live = decode_s_per_token(live)
     ttft_live = float(live.summary["ttft_p50"])
+    if not (np.isfinite(d_live) and np.isfinite(ttft_live)):
+        # A served request without a first-token time would make the fit chase NaN to its bracket's end.
+        raise ValueError(f"calibration replay has no decode time or TTFT to fit (decode {d_live}, TTFT p50 "
+                         f"{ttft_live}): a served request lacks a first-token time")
 
     def run(factor: float, pre: float) -> SimResult:
         return simulate_like(with_turnaround(cal_wl, pre + path.post, max_think_s), slowed(profile, factor), policy,
