@@ -278,9 +278,9 @@ def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url:
             time.sleep(0.2)
 
 
-# round_robin, not cache_first: on 2 engines cache_first sends nearly every session to one engine (each
-# follow-up's cached prefix decides, the least-loaded tie-break only seats first turns), which on a CPU
-# box frees a core for the request path, an effect no accelerator cluster has.
+# round_robin, not cache_first: the sessions share a system prompt, so on 2 engines cache_first sends
+# every session to the engine that cached it first, which on a CPU box frees the other core for the
+# request path, an effect no accelerator cluster has (docs/validation.md).
 DEFAULT_POLICIES = ("smetric", "load_balance", "round_robin")
 CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as most policies do
 
