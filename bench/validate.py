@@ -75,7 +75,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="smetric-validate-"))
     out: dict[str, Any] = {"engines": None, "policies": None, "hit_abs_err_max": None, "tput_rel_err_max": None,
-                           "ttft_p50_rel_err_max": None, "rank_agree": None}
+                           "ttft_p50_rel_err_max": None, "rank_agree": None, "rank_noise_rel": None,
+                           "rank_pairs_separated": None, "rank_ties": None}
     if not args.skip_real:
         from smetric_lmc.replay.validate import real_available, validate_real
 

@@ -3,8 +3,12 @@ prefix cache (the mock engine's cached_tokens, vLLM's rule: whole blocks, never 
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import numpy as np
 import pytest
+from aiohttp import web
 
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
@@ -150,3 +154,37 @@ def test_smetric_replay_command(tmp_path) -> None:
     rows = (tmp_path / "r.jsonl").read_text().splitlines()
     assert summary["requests"] == len(rows) > 10 and summary["failed"] == 0
     assert 0 < summary["hit_local"] < 1
+
+
+async def test_first_token_is_timed_when_its_text_is_empty() -> None:
+    """vLLM streams a token whose text it holds back (part of a UTF-8 character) with empty text and
+    its id; TTFT is that chunk's arrival, not the first chunk with text (here none ever has text)."""
+    gap = 0.3
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(3):
+            if k:
+                await asyncio.sleep(gap)
+            chunk = {"choices": [{"index": 0, "text": "", "token_ids": [7 + k]}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": 64, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        wl = Workload("one", 64, [TraceSession("s", [TraceRequest(0.0, 64, 3, np.asarray([1], dtype=np.uint64))])])
+        (rec,) = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", max_model_len=4096)).run()
+    finally:
+        await runner.cleanup()
+    assert rec.ok and rec.completion_tokens == 3
+    assert rec.first_token - rec.arrival < gap  # the first (empty-text) chunk, not one 0.3 s later
+    assert rec.finish - rec.first_token >= 2 * gap * 0.9

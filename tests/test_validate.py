@@ -19,8 +19,11 @@ from smetric_lmc.replay.validate import (
     decode_s_per_token,
     fit_under_load,
     measure_path,
+    rank_fields,
+    rank_pairs,
     slowed,
     small_workload,
+    spread,
     with_turnaround,
 )
 from smetric_lmc.sim.profile import load_profile
@@ -118,3 +121,34 @@ def test_fit_under_load_recovers_a_known_slowdown_and_path() -> None:
     assert fit.slowdown == pytest.approx(2.5, rel=0.03)
     assert fit.pre == pytest.approx(pre, abs=0.003)
     assert decode_s_per_token(fit.sim) == pytest.approx(decode_s_per_token(truth), rel=0.03)
+
+
+def _rows(**tputs: tuple[float, float]) -> list[dict]:
+    return [{"policy": k, "tput_live": live, "tput_sim": sim} for k, (live, sim) in tputs.items()]
+
+
+def test_ranking_counts_pairs_inside_the_measured_noise_as_ties_and_judges_the_rest() -> None:
+    """Three calibration replays of one workload spread 10% (noise); smetric and load_balance 5% apart
+    live are a tie whichever order the simulator gives them; a pair 20% apart must keep its order."""
+    noise = spread([900.0, 1000.0, 1000.0])
+    assert noise == pytest.approx(0.1)
+    rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 880.0))
+    verdicts = {(p.a, p.b): p.verdict for p in rank_pairs(rows, noise)}
+    assert verdicts == {("smetric", "load_balance"): "tie", ("smetric", "round_robin"): "agree",
+                        ("load_balance", "round_robin"): "agree"}
+    got = rank_fields(rows, noise)
+    assert got["rank_agree"] is True and got["rank_ties"] == ["smetric~load_balance"]
+    assert got["rank_pairs_separated"] == 2 and got["rank_noise_rel"] == 0.1
+    # The simulator swapping a separated pair is a disagreement, noise or not.
+    swapped = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 1100.0))
+    assert rank_fields(swapped, noise)["rank_agree"] is False
+
+
+def test_ranking_without_measured_noise_is_plain_ordering_and_all_ties_agree_on_nothing() -> None:
+    rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0))
+    assert spread([1000.0]) == 0.0  # one replay measures no noise
+    assert rank_fields(rows, 0.0) == {"rank_agree": False, "rank_noise_rel": 0.0, "rank_pairs_separated": 1,
+                                      "rank_ties": []}
+    # Every pair within the noise: nothing was separated, so there is no ranking to agree with.
+    assert rank_fields(rows, 0.2)["rank_agree"] is False
+    assert rank_fields(rows, 0.2)["rank_pairs_separated"] == 0

@@ -268,7 +268,9 @@ class Replay:
                     rec.error = f"stream error: {json.dumps(obj)[:300]}"
                     return
                 choices = obj.get("choices") or ()
-                if any(c.get("text") for c in choices) and rec.first_token != rec.first_token:
+                # A token whose text the detokenizer holds back (part of a character, a special
+                # token) arrives with empty text but its id: it is the first token all the same.
+                if any(c.get("text") or c.get("token_ids") for c in choices) and rec.first_token != rec.first_token:
                     rec.first_token = self._now()
                 for c in choices:
                     generated.extend(c.get("token_ids") or ())

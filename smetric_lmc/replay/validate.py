@@ -143,6 +143,10 @@ def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: Re
     model), decode time per token jumps with which requests overlap and the fit is ill posed."""
     d_live = decode_s_per_token(live)
     ttft_live = float(live.summary["ttft_p50"])
+    if not (np.isfinite(d_live) and np.isfinite(ttft_live)):
+        # A served request without a first-token time would make the fit chase NaN to its bracket's end.
+        raise ValueError(f"calibration replay has no decode time or TTFT to fit (decode {d_live}, TTFT p50 "
+                         f"{ttft_live}): a served request lacks a first-token time")
 
     def run(factor: float, pre: float) -> SimResult:
         return simulate_like(with_turnaround(cal_wl, pre + path.post, max_think_s), slowed(profile, factor), policy,
@@ -274,24 +278,33 @@ def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url:
             time.sleep(0.2)
 
 
-DEFAULT_POLICIES = ("smetric", "load_balance", "cache_first")
+# round_robin, not cache_first: the sessions share a system prompt, so on 2 engines cache_first sends
+# every session to the engine that cached it first, which on a CPU box frees the other core for the
+# request path, an effect no accelerator cluster has (docs/validation.md).
+DEFAULT_POLICIES = ("smetric", "load_balance", "round_robin")
 CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as most policies do
 
 
 def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
-                  sessions: int = 16, turns: int = 8, context_scale: float = 0.03, output_scale: float = 0.03,
-                  rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0, pin: bool = True) -> dict[str, Any]:
+                  sessions: int = 16, turns: int = 8, context_scale: float = 0.04, output_scale: float = 0.03,
+                  rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0, pin: bool = True,
+                  max_model_len: int = 4096, num_gpu_blocks: int | None = 320) -> dict[str, Any]:
     """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
 
     The default workload: closed loop without think time, short outputs, sessions starting at ``rate``
-    per second; a session's turns follow each other as fast as the engines and the request path allow."""
+    per second; a session's turns follow each other as fast as the engines and the request path allow.
+    The default engines hold ``num_gpu_blocks`` blocks of 32 tokens (vLLM's
+    ``--num-gpu-blocks-override``; the calibration reads it back from ``/metrics``), so a policy that
+    spreads a session's turns over both engines stores its context twice and evicts, and contexts up
+    to ``max_model_len`` make the prefill it then repeats cost more than the request path."""
     from smetric_lmc.workers import launch, up
 
     work.mkdir(parents=True, exist_ok=True)
     venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = launch.build_tiny_model(venv.parent / "models" / "tiny-qwen2", python=python)
-    specs = launch.cpu_test_specs(engines, model, python=python, block_size=32)
+    specs = launch.cpu_test_specs(engines, model, python=python, block_size=32, num_gpu_blocks=num_gpu_blocks,
+                                  max_model_len=max_model_len)
     print(f"starting {engines} vLLM CPU engines (about a minute)...", flush=True)
     running = launch.start_engines(specs, work, timeout_s=600)
     procs: list[launch.ProcessGroup] = []
@@ -314,6 +327,7 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         pgids = {e.instance_id: e.process.pid for e in running} | {"controller": procs[0].pid, "gateway": procs[1].pid}
         cal_wl = small_workload(sessions, turns, context_scale, output_scale, seed + 1)
         points: list[RealPoint] = []
+        cal_tps: list[float] = []  # the calibration replays: same workload, policy and knobs each time
         for pol in policies:
             # Calibration replay just before (the machine's load drifts within a minute): another
             # workload (other sessions, other placement), the same knobs, a neutral policy.
@@ -325,6 +339,7 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
             loaded = fit_under_load(cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY), cal.profile,
                                     idle, CALIBRATION_POLICY, engines, rate, seed + 1, max_think_s)
             write_profile(loaded.profile, work / f"calibrated-under-load-{pol}.yaml")
+            cal_tps.append(run_tps(loaded.live))
             path = RequestPath(loaded.pre, idle.post)
             print(f"{pol}: calibration replay: decode {decode_s_per_token(loaded.live) * 1e3:.2f} ms/token live "
                   f"({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
@@ -359,14 +374,65 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     rank_live = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_live"])]
     rank_sim = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_sim"])]
     print(f"ranking by throughput: live {rank_live}, sim {rank_sim}")
+    noise = spread(cal_tps)
+    print(f"calibration replays (same workload and policy before each policy): "
+          f"{', '.join(f'{t:.0f}' for t in cal_tps)} tok/s live")
+    print(pairs_table(rank_pairs(rows, noise), noise))
     return {
         "engines": engines,
         "policies": list(policies),
         "hit_abs_err_max": round(max(abs(r["hit_live"] - r["hit_sim"]) for r in rows), 4),
         "tput_rel_err_max": round(max(abs(r["tput_sim"] / r["tput_live"] - 1) for r in rows), 4),
         "ttft_p50_rel_err_max": round(max(abs(r["ttft_p50_sim"] / r["ttft_p50_live"] - 1) for r in rows), 4),
-        "rank_agree": rank_live == rank_sim,
+        **rank_fields(rows, noise),
     }
+
+
+def spread(values: list[float]) -> float:
+    """Run-to-run noise of repeated replays: (max - min) / median; 0 with fewer than two."""
+    if len(values) < 2:
+        return 0.0
+    return float((max(values) - min(values)) / np.median(values))
+
+
+@dataclass
+class PairVerdict:
+    a: str
+    b: str
+    live_rel: float  # (tput a - tput b) / mean of the two, live
+    sim_rel: float  # the same, simulated
+    verdict: str  # "agree", "disagree", or "tie" (live difference within the noise: not judged)
+
+
+def rank_pairs(rows: list[dict[str, Any]], noise: float) -> list[PairVerdict]:
+    """Every pair of policies ordered by throughput, live and simulated. A pair whose live difference
+    is within ``noise`` (the measured run-to-run spread) is a tie: its live order is chance, so
+    neither order of the simulated pair is wrong. ``noise`` 0 judges plain ordering."""
+    out = []
+    for i, ra in enumerate(rows):
+        for rb in rows[i + 1:]:
+            live = (ra["tput_live"] - rb["tput_live"]) / ((ra["tput_live"] + rb["tput_live"]) / 2)
+            sim = (ra["tput_sim"] - rb["tput_sim"]) / ((ra["tput_sim"] + rb["tput_sim"]) / 2)
+            verdict = "tie" if abs(live) <= noise else "agree" if live * sim > 0 else "disagree"
+            out.append(PairVerdict(ra["policy"], rb["policy"], live, sim, verdict))
+    return out
+
+
+def rank_fields(rows: list[dict[str, Any]], noise: float) -> dict[str, Any]:
+    """The bench's ranking fields: agreement holds when every pair separated by more than the noise
+    is ordered alike; with no separated pair at all there is nothing to agree on (False)."""
+    pairs = rank_pairs(rows, noise)
+    judged = [p for p in pairs if p.verdict != "tie"]
+    return {"rank_agree": bool(judged) and all(p.verdict == "agree" for p in judged),
+            "rank_noise_rel": round(noise, 4), "rank_pairs_separated": len(judged),
+            "rank_ties": [f"{p.a}~{p.b}" for p in pairs if p.verdict == "tie"]}
+
+
+def pairs_table(pairs: list[PairVerdict], noise: float) -> str:
+    lines = [f"throughput differences per pair (noise: calibration replays spread {noise:.1%})",
+             "| pair | live | sim | verdict |", "|---|---|---|---|"]
+    lines += [f"| {p.a} vs {p.b} | {p.live_rel:+.1%} | {p.sim_rel:+.1%} | {p.verdict} |" for p in pairs]
+    return "\n".join(lines) + "\n"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
