@@ -48,7 +48,9 @@ class MapSpec:
     baselines: Sequence[str] = BASELINES
     instances: int = 16
     pool_roots: int = 600  # root sessions generated per x (drawn with replacement)
-    window_s: float = 2400.0  # session-arrival window of a point (its measured period)
+    window_s: float = 2400.0  # session-arrival window of a point (at least: see min_sessions)
+    warmup_share: float = 0.4  # of the window, left out of the measurement (the sessions' ramp-up)
+    min_sessions: int = 0  # stretch a cell's window so at least this many root sessions arrive at its knee
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
     seed: int = 0  # the workload's seed
     seeds: Sequence[int] = (0, 1, 2)  # arrival seeds (+ the config's): each cell runs once per seed, all policies alike
@@ -154,7 +156,7 @@ def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
     # roots drawn with replacement over a fixed window: the offered load is `rate` whatever the pool
     return msgspec.structs.replace(
         base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, sampling="replace", drain=False,
-        arrival_window_s=spec.window_s, max_sessions=None,
+        arrival_window_s=spec.window_s, max_sessions=None, warmup_share=spec.warmup_share,
     )  # fmt: skip
 
 
@@ -206,7 +208,8 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     }  # fmt: skip
     pols = [_policy(spec, p) for p in spec.policies]
     res = knee_sweeps(
-        wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map"
+        wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map",
+        min_sessions=spec.min_sessions,
     )
     cells = []
     for x in spec.xs:
