@@ -93,3 +93,23 @@ def test_request_counts_come_from_in_flight_when_load_counts_tokens() -> None:
     v = ClusterView(IDS[:2], [800, 0], [5000.0, 0.0], 1000, turn=1, est_hit=512, unprefilled=[5000.0, 0.0],
                     in_flight=[1.0, 0.0])  # fmt: skip
     assert ect_scores(v, P) == pytest.approx([100 * 5000 + 100 * 200 * 2 + 1000, 100 * 1000])
+
+
+def test_displacement_prices_the_kv_a_move_evicts() -> None:
+    d = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0, displace=0.5)
+    # no global copy: every token brought to i evicts 0.5 x a recompute (50 µs) of someone else's KV
+    v = view([800, 0], [1, 0], [1500.0, 0.0])
+    assert ect_scores(v, d) == pytest.approx([
+        100 * 1500 + 100 * 200 * 2 + 1000 + 50 * 200,  # holder: only the 200 new tokens displace
+        100 * 1000 * 1 + 50 * 1000,  # a move displaces the whole context
+    ])  # fmt: skip
+    # without the displacement the long queue moves the session (190,000 + 1,000 > 100,000) ...
+    assert smetric_ect(v, P).index == 1
+    # ... with it the move costs 150,000 vs 201,000: still a move; behind a 900-token queue the holder
+    # costs 131,000 (a move without it: 100,000) or 141,000 (with it: 150,000, so it stays)
+    assert smetric_ect(v, d).index == 1
+    assert smetric_ect(view([800, 0], [1, 0], [900.0, 0.0]), P).index == 1
+    assert smetric_ect(view([800, 0], [1, 0], [900.0, 0.0]), d).index == 0
+    # with the prefix in the global tier the displaced KV is refetched: 0.5 x 1 µs per token
+    vg = view([800, 0], [1, 0], [1500.0, 0.0], g=800)
+    assert ect_scores(vg, d)[1] == pytest.approx(100 * 200 + 1 * 800 + 0.5 * 1000)

@@ -48,6 +48,7 @@ class ECTParams:
     fetch_us: float = 4.0  # µs per token fetched from the global tier
     inflight_us: float = 5_000_000.0  # µs of completion cost one in-flight request adds
     hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
+    displace: float = 0.0  # share of the KV a move displaces on its target that is reused later
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
@@ -58,8 +59,12 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
     # request counts even under PD, where `load` counts unprefilled tokens
     flight = view.in_flight if view.in_flight is not None else view.load
+    # the KV brought to instance i evicts as much of other sessions' KV (a loaded GPU cache is full);
+    # serving that again costs a fetch where the global tier holds prefixes, a recompute where not
+    t_evict = p.displace * (p.fetch_us if g > 0 else t_tok)
     return [
         t_tok * q + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        + t_evict * (L - ci)
         for ci, li, q in zip(view.local_hit, flight, queued)
     ]
 

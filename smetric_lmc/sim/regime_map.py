@@ -371,8 +371,10 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     md = [
         f"Preset `{sp.preset}`, {sp.instances} instances; the profile's {m.kv_tokens:,} KV tokens per instance, grown "
         "below the preset's natural x (column `KV`), contexts scaled above it (column `scale`). Each cell at its own "
-        f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
-        f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
+        f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy "
+        "(one more run 1.5× beyond for a policy best at either end, or not 80% busy at the top), over an arrival "
+        f"window of ≥ {sp.window_s:g} s" + (f" stretched to ≥ {sp.min_sessions} root sessions" if sp.min_sessions else "")
+        + f", its first {sp.warmup_share:.0%} warm-up; every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
         f"Every cell runs {len(sp.seeds)} arrival seed(s); within a seed all policies replay the same arrivals and "
         "the same roots (common random numbers), so each ratio is a paired per-seed ratio to the baseline that is "
@@ -391,11 +393,17 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     for c in m.cells:
         busy = [float(c.peak(p).get("gpu_busy_share", math.nan)) for p in sp.policies if c.peak(p)]
         top = [p for p in sp.policies if f"{p}: best at the top rate" in c.flags]
+        bottom = [p for p in sp.policies if f"{p}: best at the bottom rate" in c.flags]
         low = sum(1 for b in busy if b < 0.8)
-        if low or top:
-            flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%)"
-                           + (f"; best at the top load: {', '.join(top)}" if top else ""))  # fmt: skip
+        slo = sum(1 for f in c.flags if "SLO-bound" in f)
+        unreached = sum(1 for f in c.flags if "did not reach" in f)
+        if low or top or bottom:
+            flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%"
+                           + (f"; over the seeds {slo} peak rows SLO-bound, {unreached} short of the knee" if low else "")
+                           + ")" + (f"; best at the top load: {', '.join(top)}" if top else "")
+                           + (f"; best at the bottom load: {', '.join(bottom)}" if bottom else ""))  # fmt: skip
     if flagged:
-        md += ["Flagged cells (a peak below 80% GPU busy: the SLO gave out first; or the best load is the top of the sweep):\n",
+        md += ["Flagged cells (a peak below 80% GPU busy, with its cause: SLO-bound = more load saturated the GPUs but "
+               "lost SLO, short of the knee = no run saturated them; or a best load at the edge of the sweep):\n",
                "\n".join(flagged) + "\n"]  # fmt: skip
     return "\n".join(md)
