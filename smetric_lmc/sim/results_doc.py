@@ -168,11 +168,7 @@ def verdict(res: dict[str, KneeResult], bl: tuple[str, ...], sens: list[tuple[st
         f"Against the paper's targets, in the regime calibrated to its Trace 1: with a global store SMetric reaches "
         f"{_r(g)}× the best baseline ({met(g, 1.10)} the ≥ 1.10 target; paper 1.10–1.16×), without one {_r(n)}× "
         f"({met(n, 0.99)} ≥ 0.99), under PD disaggregation {_r(pd)}× (paper 1.02–1.34×). "
-        f"The mechanism the paper credits — a load-balancing router stalling on global-tier fetches — is small in "
-        f"this model: at the global-tier peak {b} fetches {fetched[b]:.0%} of prompt tokens yet its GPUs spend "
-        f"{st[b]:.1%} of their busy time waiting on loads (SMetric {st[OURS]:.1%}), because a fetch moves KV at "
-        "PCIe/NIC speed (tens of GB/s) while recomputing it costs attention over the whole context. So balance "
-        "wins where the global tier holds the context, and stickiness only pays where it does not."
+        + mechanism(b, fetched, st)
     )
     if sens:
         rows = dict(sens)
@@ -183,6 +179,23 @@ def verdict(res: dict[str, KneeResult], bl: tuple[str, ...], sens: list[tuple[st
             + "."
         )
     return text + "\n"
+
+
+def mechanism(b: str, fetched: dict[str, float], st: dict[str, float]) -> str:
+    """What the global-tier peak says about the paper's mechanism, worded by the numbers."""
+    size = "small" if st[b] < 0.05 else "visible"
+    return (
+        f"The mechanism the paper credits — a load-balancing router stalling on global-tier fetches — is {size} in "
+        f"this model: at the global-tier peak {b} fetches {fetched[b]:.0%} of prompt tokens and its GPUs spend "
+        f"{st[b]:.1%} of their busy time waiting on loads (SMetric fetches {fetched[OURS]:.0%}, waits {st[OURS]:.1%})"
+        + (", because a fetch moves KV at PCIe/NIC speed (tens of GB/s) while recomputing it costs attention over "
+           "the whole context." if size == "small" else ".")
+    )
+
+
+def row_means(m: RegimeMap, policy: str, bl: tuple[str, ...]) -> dict[str, float]:
+    """Mean ratio to the best baseline per global-tier row of the map."""
+    return {t: _seed_mean([c.ratio(policy, bl) for c in m.cells if c.tier == t]) for t in m.spec.tiers}
 
 
 def discussion(res: dict[str, KneeResult], m: RegimeMap, bl: tuple[str, ...]) -> str:
@@ -212,7 +225,36 @@ def discussion(res: dict[str, KneeResult], m: RegimeMap, bl: tuple[str, ...]) ->
         f"(min {_r(min(vr))}, max {_r(max(vr))}), and ≥ SMetric in {sum(r >= 1.0 for r in vs)} of {len(vs)} "
         f"(min {_r(min(vs))})."
     )
+    rows = row_means(m, OURS, bl)
+    hi, lo = max(rows, key=lambda t: rows[t]), min(rows, key=lambda t: rows[t])
+    out.append(
+        "- **Where stickiness pays**: averaged over x, SMetric ÷ the best baseline is "
+        + ", ".join(f"{_r(v)} with global tier {t}" for t, v in rows.items())
+        + f"; it does best relative to the baselines with global tier {hi} and worst with {lo}."
+    )
+    out.append(variant_losses(m, bl))
     return "\n".join(out) + "\n"
+
+
+def variant_losses(m: RegimeMap, bl: tuple[str, ...]) -> str:
+    """Where the variant stays under the best baseline on the map, and what its decisions did there
+    (first seed's peak runs: share of follow-ups moved off their holder, prompt tokens recomputed)."""
+    lost = [c for c in m.cells if c.ratio(VARIANT, bl) < 1.0]
+    if not lost:
+        return f"- **`{VARIANT}` on the map**: at or above the best baseline in every cell."
+    parts = []
+    for c in lost:
+        b, _ = c.best_baseline(bl)
+        v, bs = c.peak(VARIANT), c.peak(b)
+        rs = v.get("reasons", {})
+        moved = (rs.get("overloaded_fallback", 0) + rs.get("evicted_fallback", 0)) / max(1, sum(rs.values()))
+        parts.append(
+            f"{c.tier} @ x={c.x:.2f}: {_r(c.ratio(VARIANT, bl))} ± {c.spread(VARIANT, bl):.2f} vs {b} (moved "
+            f"{moved:.0%} of requests off their holder; recomputed {v.get('hit_miss', math.nan):.0%} of prompt tokens "
+            f"vs {bs.get('hit_miss', math.nan):.0%}; token imbalance {v.get('token_imbalance_mean', math.nan):.2f} vs "
+            f"{bs.get('token_imbalance_mean', math.nan):.2f})"
+        )
+    return f"- **`{VARIANT}` under the best baseline** in {len(lost)} of {len(m.cells)} cells: " + "; ".join(parts) + "."
 
 
 def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
