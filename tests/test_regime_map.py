@@ -185,7 +185,9 @@ def test_map_tiny(tmp_path: Path) -> None:
     assert heatmap_png(m, tmp_path / "map.png").stat().st_size > 0
 
 
-def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMETRIC_REPORT_CACHE", str(tmp_path / "cache"))
     trace = save_native(synthetic(4, seed=1, scale=0.05), tmp_path / "weka.msgpack")
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
@@ -206,6 +208,13 @@ def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.C
     doc = (tmp_path / "results.md").read_text()
     assert "## Regime map" in doc and "decision traces" in doc and "kv_load_mode async" in doc
     assert (tmp_path / "img" / "regime_map.png").stat().st_size > 0
+    # --rebuild writes the same document from the saved results, without simulating
+    (tmp_path / "results.md").unlink()
+    monkeypatch.setattr("smetric_lmc.sim.results_doc.run_report", lambda *a: pytest.fail("rebuild simulated"))
+    again = ap.parse_args(["report", "--rebuild", "--trace", str(trace), "--out", str(tmp_path / "results.md")])
+    assert main_report(again, tiny) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == last
+    assert (tmp_path / "results.md").read_text() == doc
 
 
 def test_sim_cli_runs_the_trace1_preset(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,9 +266,60 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     if not trace.exists():
         print(f"trace not found: {trace} (set SMETRIC_SHARED or pass --trace)")
         return 2
+    cache = cache_path("quick" if size is QUICK else "full" if size is FULL else "custom")
+    if getattr(args, "rebuild", False):
+        # the document again from the last run's results (its text changed, its numbers did not)
+        if not cache.exists():
+            print(f"no saved results to rebuild from: {cache} (run `smetric sim report` first)")
+            return 2
+        with cache.open("rb") as f:
+            saved = pickle.load(f)
+        base, prof, wl_stats, res, m, sens, bl, elapsed, jobs = (saved[k] for k in (
+            "base", "prof", "wl_stats", "res", "m", "sens", "bl", "elapsed", "jobs"))  # fmt: skip
+    else:
+        t0 = time.perf_counter()
+        base, prof, wl_stats, res, m, sens, bl = run_report(args, size, trace)
+        elapsed, jobs = time.perf_counter() - t0, args.jobs
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with cache.open("wb") as f:
+            pickle.dump({"base": base, "prof": prof, "wl_stats": wl_stats, "res": res, "m": m, "sens": sens, "bl": bl,
+                         "elapsed": elapsed, "jobs": jobs}, f)  # fmt: skip
+        log.info("results saved to %s (`smetric sim report --rebuild` rewrites the document from them)", cache)
+    out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
+    png = heatmap_png(m, out.parent / "img" / "regime_map.png")
+    busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
+    summary = {
+        "kv_load_mode": base.kv_load_mode,
+        "peak_busy_min": round(min(busy), 4),
+        "smetric_vs_best_global_trace1": round(res["trace1_global"].ratio(OURS, bl), 4),
+        "smetric_vs_best_noglobal_trace1": round(res["trace1_none"].ratio(OURS, bl), 4),
+        "smetric_vs_best_pd_trace1": round(res["trace1_pd"].ratio(OURS, bl), 4),
+        "smetric_vs_best_global_weka": round(res["weka_global"].ratio(OURS, bl), 4),
+        "smetric_vs_best_noglobal_weka": round(res["weka_none"].ratio(OURS, bl), 4),
+        "variant": VARIANT,
+        "variant_vs_best_min_over_map": round(min(c.ratio(VARIANT, bl) for c in m.cells), 4),
+        "variant_vs_smetric_min_over_map": round(min(_seed_mean(c.seed_ratios(VARIANT, OURS)) for c in m.cells), 4),
+    }
+    doc = build_document(args, size, base, prof, wl_stats, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
+                         elapsed, summary, jobs)  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc)
+    print(doc)
+    print(f"wrote {out} and {png}")
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0
+
+
+def cache_path(tag: str) -> Path:
+    """Where a report run leaves its results for ``--rebuild`` ($SMETRIC_REPORT_CACHE, else the temp dir)."""
+    d = os.environ.get("SMETRIC_REPORT_CACHE") or tempfile.gettempdir()
+    return Path(d) / f"smetric-sim-report-{tag}.pkl"
+
+
+def run_report(args: argparse.Namespace, size: Size, trace: Path) -> tuple[Any, ...]:
+    """Every simulation of the report: the five settings, the map and the sensitivity rows."""
     from smetric_lmc.workload import load_any
 
-    t0 = time.perf_counter()
     prof = load_profile(args.profile or "qwen3-30b-a3b-h20")
     base = load_sim_config(args.config, profile=args.profile, seed=args.seed)
     limit = int(0.9 * prof.max_context(64))
@@ -286,29 +339,9 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     m = run_map(size.map, base, prof, args.jobs)
     sens = sensitivity(wls, settings["trace1_global"], res["trace1_global"],
                        [OURS, VARIANT, res["trace1_global"].best_of(bl)[0]], prof, args.jobs)  # fmt: skip
-    out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
-    png = heatmap_png(m, out.parent / "img" / "regime_map.png")
-    busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
-    summary = {
-        "kv_load_mode": base.kv_load_mode,
-        "peak_busy_min": round(min(busy), 4),
-        "smetric_vs_best_global_trace1": round(res["trace1_global"].ratio(OURS, bl), 4),
-        "smetric_vs_best_noglobal_trace1": round(res["trace1_none"].ratio(OURS, bl), 4),
-        "smetric_vs_best_pd_trace1": round(res["trace1_pd"].ratio(OURS, bl), 4),
-        "smetric_vs_best_global_weka": round(res["weka_global"].ratio(OURS, bl), 4),
-        "smetric_vs_best_noglobal_weka": round(res["weka_none"].ratio(OURS, bl), 4),
-        "variant": VARIANT,
-        "variant_vs_best_min_over_map": round(min(c.ratio(VARIANT, bl) for c in m.cells), 4),
-        "variant_vs_smetric_min_over_map": round(min(_seed_mean(c.seed_ratios(VARIANT, OURS)) for c in m.cells), 4),
-    }
-    doc = build_document(args, size, base, prof, wls, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
-                         time.perf_counter() - t0, summary)  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc)
-    print(doc)
-    print(f"wrote {out} and {png}")
-    print(json.dumps(summary, separators=(",", ":")))
-    return 0
+    wl_stats = {k: {"requests": w.n_requests, "sessions": len(w.sessions),
+                    "shared_prefix": bool(w.meta.get("shared_prefix"))} for k, w in wls.items()}  # fmt: skip
+    return base, prof, wl_stats, res, m, sens, bl
 
 
 SETTING_LABELS = {
@@ -320,16 +353,17 @@ SETTING_LABELS = {
 }
 
 
-def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: Profile, wls: dict[str, Workload],
-                   res: dict[str, KneeResult], m: RegimeMap, sens: list[tuple[str, dict[str, float]]],
-                   bl: tuple[str, ...], png: str, elapsed: float, summary: dict[str, Any]) -> str:  # fmt: skip
+def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: Profile,
+                   wl_stats: dict[str, dict[str, Any]], res: dict[str, KneeResult], m: RegimeMap,
+                   sens: list[tuple[str, dict[str, float]]], bl: tuple[str, ...], png: str, elapsed: float,
+                   summary: dict[str, Any], jobs: int) -> str:  # fmt: skip
     quick = size is not FULL
     cmd = (
         "smetric sim report"
         + (" --quick" if quick else "")
-        + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+        + (f" --jobs {jobs}" if jobs > 1 else "")
     )
-    w, t = wls["weka"], wls["trace1"]
+    w, t = wl_stats["weka"], wl_stats["trace1"]
     md = [
         "# Simulated results: where SMetric raises TPS, by how much, and what beats it where it loses\n",
         f"Generated by `{cmd}` in {elapsed / 60:.0f} min"
@@ -362,12 +396,12 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
         "yet 80% busy there, a run 1.5× higher, so each peak is bracketed. A peak below 80% GPU busy is marked ⚠ "
         "and flagged with its cause (see each setting's flags): the policy's SLO gave out before its GPUs did "
         "(its busiest instance saturated), or the sweep did not reach its knee.",
-        f"- Workloads: the `trace1` preset ({t.n_requests:,} requests in {len(t.sessions):,} sessions, calibrated to "
+        f"- Workloads: the `trace1` preset ({t['requests']:,} requests in {t['sessions']:,} sessions, calibrated to "
         "the paper's Trace 1 statistics; docs/workload.md) and the WEKA Claude Code trace "
-        f"({w.n_requests:,} requests in {len(w.sessions):,} sessions"
+        f"({w['requests']:,} requests in {w['sessions']:,} sessions"
         + (
             ", system prompts shared across sessions"
-            if w.meta.get("shared_prefix")
+            if w["shared_prefix"]
             else ", no cross-session sharing"
         )
         + "). Best baseline = the best of "
