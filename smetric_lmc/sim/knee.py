@@ -35,6 +35,7 @@ from smetric_lmc.workload.presets import requests_per_root
 
 TARGET_BUSY = 0.9
 BUSY_FLAG = 0.8
+HOT_BUSY = 0.95  # an instance this busy is saturated
 EXTEND_STEP = 1.5
 
 
@@ -168,14 +169,29 @@ def knee_sweeps(
 def low_peak_cause(s: Mapping[str, Any], busiest: float) -> str:
     """Why a peak sits below ``BUSY_FLAG`` GPU busy, from the run's own numbers."""
     busy = float(s.get("gpu_busy_share", 0.0))
+    hot = float(s.get("gpu_busy_max", math.nan))
+    imb = float(s.get("token_imbalance_mean", math.nan))
+    if busiest < BUSY_FLAG and hot >= HOT_BUSY:
+        # not a sweep that stopped short: the policy piles its load onto a few instances, which saturate
+        # while the rest idle; more offered load only lengthens their queues
+        return (f"peak at {busy:.0%} GPU busy, load-skewed: its busiest instance was {hot:.0%} busy (token imbalance "
+                f"{imb:.2f}) and no run's mean passed {busiest:.0%}")  # fmt: skip
     if busiest < BUSY_FLAG:
         return (f"peak at {busy:.0%} GPU busy and no run above {busiest:.0%}: the sweep did not reach "
                 "this policy's knee")  # fmt: skip
     return (
         f"peak at {busy:.0%} GPU busy, SLO-bound: at more load its GPUs reached {busiest:.0%} but its TPS within "
-        f"SLO fell; at the peak its busiest instance was {float(s.get('gpu_busy_max', math.nan)):.0%} busy "
-        f"(token imbalance {float(s.get('token_imbalance_mean', math.nan)):.2f})"
+        f"SLO fell; at the peak its busiest instance was {hot:.0%} busy (token imbalance {imb:.2f})"
     )
+
+
+def refresh_flags(kr: KneeResult) -> None:
+    """Re-derive the low-peak flags from the stored runs (a saved report rebuilt with newer wording)."""
+    kr.flags = [f for f in kr.flags if ": peak at " not in f]
+    for name, r in kr.peaks.items():
+        busy = float(r.summary.get("gpu_busy_share", 0.0))
+        if busy < BUSY_FLAG:
+            kr.flags.append(f"{name}: {low_peak_cause(r.summary, kr.busiest.get(name, busy))}")
 
 
 def _stretched(s: Setting, window_s: float) -> Setting:

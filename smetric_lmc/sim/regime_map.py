@@ -397,13 +397,16 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
         low = sum(1 for b in busy if b < 0.8)
         slo = sum(1 for f in c.flags if "SLO-bound" in f)
         unreached = sum(1 for f in c.flags if "did not reach" in f)
+        skewed = sum(1 for f in c.flags if "load-skewed" in f)
         if low or top or bottom:
             flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%"
-                           + (f"; over the seeds {slo} peak rows SLO-bound, {unreached} short of the knee" if low else "")
+                           + (f"; over the seeds {slo} peak rows SLO-bound, {skewed} load-skewed, {unreached} short of "
+                              "the knee" if low else "")
                            + ")" + (f"; best at the top load: {', '.join(top)}" if top else "")
                            + (f"; best at the bottom load: {', '.join(bottom)}" if bottom else ""))  # fmt: skip
     if flagged:
         md += ["Flagged cells (a peak below 80% GPU busy, with its cause: SLO-bound = more load saturated the GPUs but "
-               "lost SLO, short of the knee = no run saturated them; or a best load at the edge of the sweep):\n",
+               "lost SLO, load-skewed = the busiest instance saturated while the mean stayed low, short of the knee = no run "
+               "saturated them; or a best load at the edge of the sweep):\n",
                "\n".join(flagged) + "\n"]  # fmt: skip
     return "\n".join(md)

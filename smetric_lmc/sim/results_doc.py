@@ -27,7 +27,7 @@ import msgspec
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.sim.batch import Task, run_tasks
 from smetric_lmc.sim.config import SimConfig, load_sim_config
-from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps
+from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps, refresh_flags
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.sim.regime_map import MapSpec, RegimeMap, heatmap_png, map_markdown, run_map
 from smetric_lmc.sim.report import reasons_table
@@ -285,6 +285,8 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
             pickle.dump({"base": base, "prof": prof, "wl_stats": wl_stats, "res": res, "m": m, "sens": sens, "bl": bl,
                          "elapsed": elapsed, "jobs": jobs}, f)  # fmt: skip
         log.info("results saved to %s (`smetric sim report --rebuild` rewrites the document from them)", cache)
+    for kr in [*res.values(), *(k for c in m.cells for k in c.knees)]:
+        refresh_flags(kr)
     out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
     png = heatmap_png(m, out.parent / "img" / "regime_map.png")
     busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
@@ -394,8 +396,9 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
         f"{', '.join(f'{f:g}' for f in size.factors)} × that rate and is credited with its best TPS within SLO (its "
         "peak row); a policy best at its lowest load gets a run 1.5× lower, one best at its highest load, or not "
         "yet 80% busy there, a run 1.5× higher, so each peak is bracketed. A peak below 80% GPU busy is marked ⚠ "
-        "and flagged with its cause (see each setting's flags): the policy's SLO gave out before its GPUs did "
-        "(its busiest instance saturated), or the sweep did not reach its knee.",
+        "and flagged with its cause (see each setting's flags): SLO-bound (more load saturated its GPUs but lost "
+        "SLO), load-skewed (its busiest instance saturated while the mean stayed low: more load only queues "
+        "there), or the sweep did not reach its knee.",
         f"- Workloads: the `trace1` preset ({t['requests']:,} requests in {t['sessions']:,} sessions, calibrated to "
         "the paper's Trace 1 statistics; docs/workload.md) and the WEKA Claude Code trace "
         f"({w['requests']:,} requests in {w['sessions']:,} sessions"
