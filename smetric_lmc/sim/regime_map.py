@@ -51,6 +51,7 @@ class MapSpec:
     window_s: float = 2400.0  # session-arrival window of a point (at least: see min_sessions)
     warmup_share: float = 0.4  # of the window, left out of the measurement (the sessions' ramp-up)
     min_sessions: int = 0  # stretch a cell's window so at least this many root sessions arrive at its knee
+    extend: int = 1  # rounds of one more load step for a policy best at either end of its sweep
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
     seed: int = 0  # the workload's seed
     seeds: Sequence[int] = (0, 1, 2)  # arrival seeds (+ the config's): each cell runs once per seed, all policies alike
@@ -209,7 +210,7 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     pols = [_policy(spec, p) for p in spec.policies]
     res = knee_sweeps(
         wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map",
-        min_sessions=spec.min_sessions,
+        min_sessions=spec.min_sessions, extend=spec.extend,
     )
     cells = []
     for x in spec.xs:

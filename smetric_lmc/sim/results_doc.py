@@ -56,13 +56,17 @@ class Size:
     reference: bool  # also run round_robin and cache_first
     map: MapSpec = field(default_factory=MapSpec)
     warmup_share: float = 0.4  # of each arrival window, left out of the measurement (ramp-up)
+    extend: int = 1  # rounds of one more load step for a policy best at either end of its sweep
 
 
 # 32 instances for the settings; the 5 x 4 map on 8 instances over two arrival seeds, each cell's window
 # stretched to >= 150 root sessions at its knee (long contexts saturate at a few sessions per minute).
+# Three rounds of bracketing: without a global tier the pilot's 90%-busy rate is past every policy's
+# SLO cliff, and one step down (1/1.5) still left each best at its lowest load.
 FULL = Size(32, 1200.0, 1500, (1.0, 1.4), 2, False,
             MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=8, pool_roots=600, window_s=1200.0,
-                    rate_factors=(1.0, 1.4), variant=VARIANT, seeds=(0, 1), min_sessions=150))  # fmt: skip
+                    rate_factors=(1.0, 1.4), variant=VARIANT, seeds=(0, 1), min_sessions=150, extend=3),
+            extend=3)  # fmt: skip
 # On 4 instances the seed-to-seed spread of a cell's ratio reaches 0.1-0.35 (8 halve it, at twice the time).
 QUICK = Size(8, 600.0, 200, (1.0, 1.5), 2, False,
              MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0,
@@ -337,7 +341,7 @@ def run_report(args: argparse.Namespace, size: Size, trace: Path) -> tuple[Any, 
     names = [OURS, VARIANT, *BASELINES, *(REFERENCE if size.reference else ())]
     bl = tuple(n for n in names if n not in (OURS, VARIANT))
     res = knee_sweeps(wls, settings, [PolicyConfig(name=n) for n in names], PolicyConfig(name=OURS),  # type: ignore[arg-type]
-                      size.factors, args.jobs, size.pilots, desc="settings")  # fmt: skip
+                      size.factors, args.jobs, size.pilots, desc="settings", extend=size.extend)  # fmt: skip
     m = run_map(size.map, base, prof, args.jobs)
     sens = sensitivity(wls, settings["trace1_global"], res["trace1_global"],
                        [OURS, VARIANT, res["trace1_global"].best_of(bl)[0]], prof, args.jobs)  # fmt: skip
