@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=600.0)
     ap.add_argument("--variant", default="smetric_ect")
     ap.add_argument("--extra", default="smetric_cost", help="comma list of policies run beside (not baselines)")
+    ap.add_argument("--min-sessions", type=int, default=0, help="stretch each cell's window to this many root sessions")
+    ap.add_argument("--warmup", type=float, default=0.4, help="share of the window left out of the measurement")
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
     cells = [(t, float(x)) for t, x in (c.split("@") for c in a.cells.split(","))]
@@ -33,7 +35,8 @@ def main() -> None:
     for x in sorted({x for _, x in cells}):
         spec = MapSpec(xs=(x,), tiers=tuple(t for t, xx in cells if xx == x), instances=a.instances,
                        pool_roots=200, window_s=a.window, rate_factors=(1.0, 1.5), pilots=2, variant=a.variant,
-                       baselines=BASELINES + extra, seeds=tuple(range(a.seeds)))  # fmt: skip
+                       baselines=BASELINES + extra, seeds=tuple(range(a.seeds)), min_sessions=a.min_sessions,
+                       warmup_share=a.warmup)  # fmt: skip
         m = run_map(spec, load_sim_config(None), load_profile("qwen3-30b-a3b-h20"), a.jobs)
         for c in m.cells:
             b, _ = c.best_baseline(BASELINES)

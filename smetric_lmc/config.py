@@ -43,6 +43,9 @@ class PolicyConfig(_Cfg):
     ect_prefill_us_per_ktok: float = 8.8
     ect_fetch_us: float = 4.0
     ect_inflight_us: float = 5_000_000.0
+    ect_displace: float = 0.0  # share of the KV a move evicts on its target that is reused later
+    ect_slack_s: float = 1.0  # queued prefill waited for free: ect_slack_s + ect_slack_s_per_tok x prompt
+    ect_slack_s_per_tok: float = 1.0e-4
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -56,7 +59,8 @@ class PolicyConfig(_Cfg):
             raise ValueError("bailian_lambda must be within [0, 1]")
         if not 0 <= self.cost_fetch_discount <= 1:
             raise ValueError("cost_fetch_discount must be within [0, 1]")
-        for k in ("ect_prefill_us", "ect_prefill_us_per_ktok", "ect_fetch_us", "ect_inflight_us"):
+        for k in ("ect_prefill_us", "ect_prefill_us_per_ktok", "ect_fetch_us", "ect_inflight_us", "ect_displace",
+                  "ect_slack_s", "ect_slack_s_per_tok"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"{k} must be >= 0")
 

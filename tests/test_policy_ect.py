@@ -13,7 +13,8 @@ from smetric_lmc.wire import Reason
 
 IDS = ("a", "b", "c", "d")
 # flat per-token prefill cost so the cases can be computed by hand
-P = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0)
+# (no queue slack: every queued token counts; the slack has its own test)
+P = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0, slack_s=0.0, slack_s_per_tok=0.0)
 
 
 def view(hit, load, unpre=None, *, L=1000, turn=1, est=512, g=0, rr=0):
@@ -22,7 +23,8 @@ def view(hit, load, unpre=None, *, L=1000, turn=1, est=512, g=0, rr=0):
 
 
 def test_cost_formula_by_hand() -> None:
-    p = ECTParams(prefill_us=100.0, prefill_us_per_ktok=50.0, fetch_us=2.0, inflight_us=1000.0)
+    p = ECTParams(prefill_us=100.0, prefill_us_per_ktok=50.0, fetch_us=2.0, inflight_us=1000.0, slack_s=0.0,
+                  slack_s_per_tok=0.0)
     # t_tok = 100 + 50 * 2000 / 1000 = 200 µs
     v = view([1500, 0], [2, 0], [100.0, 300.0], L=2000, g=1000)
     assert ect_scores(v, p) == pytest.approx([
@@ -44,7 +46,8 @@ def test_with_the_prefix_in_the_global_tier_it_balances() -> None:
 
 
 def test_an_expensive_fetch_keeps_affinity() -> None:
-    slow = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=100.0, inflight_us=1000.0)
+    slow = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=100.0, inflight_us=1000.0, slack_s=0.0,
+                     slack_s_per_tok=0.0)
     # fetching at compute speed: 83,000 vs 201,000 and 100,000 -> stay
     assert smetric_ect(view([800, 0, 0], [3, 1, 0], g=800), slow).index == 0
 
@@ -93,3 +96,52 @@ def test_request_counts_come_from_in_flight_when_load_counts_tokens() -> None:
     v = ClusterView(IDS[:2], [800, 0], [5000.0, 0.0], 1000, turn=1, est_hit=512, unprefilled=[5000.0, 0.0],
                     in_flight=[1.0, 0.0])  # fmt: skip
     assert ect_scores(v, P) == pytest.approx([100 * 5000 + 100 * 200 * 2 + 1000, 100 * 1000])
+
+
+def test_displacement_prices_the_kv_a_move_evicts() -> None:
+    d = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0, displace=0.5,
+                  slack_s=0.0, slack_s_per_tok=0.0)
+    # no global copy: every token brought to i evicts 0.5 x a recompute (50 µs) of someone else's KV
+    v = view([800, 0], [1, 0], [1500.0, 0.0])
+    assert ect_scores(v, d) == pytest.approx([
+        100 * 1500 + 100 * 200 * 2 + 1000 + 50 * 200,  # holder: only the 200 new tokens displace
+        100 * 1000 * 1 + 50 * 1000,  # a move displaces the whole context
+    ])  # fmt: skip
+    # without the displacement the long queue moves the session (190,000 + 1,000 > 100,000) ...
+    assert smetric_ect(v, P).index == 1
+    # ... with it the move costs 150,000 vs 201,000: still a move; behind a 900-token queue the holder
+    # costs 131,000 (a move without it: 100,000) or 141,000 (with it: 150,000, so it stays)
+    assert smetric_ect(v, d).index == 1
+    assert smetric_ect(view([800, 0], [1, 0], [900.0, 0.0]), P).index == 1
+    assert smetric_ect(view([800, 0], [1, 0], [900.0, 0.0]), d).index == 0
+    # with the prefix in the global tier the displaced KV is refetched: 0.5 x 1 µs per token
+    vg = view([800, 0], [1, 0], [1500.0, 0.0], g=800)
+    assert ect_scores(vg, d)[1] == pytest.approx(100 * 200 + 1 * 800 + 0.5 * 1000)
+
+
+def test_a_queue_within_the_slo_slack_costs_nothing() -> None:
+    # slack = 0.05 s + 1e-4 s x 1,000 tokens = 0.15 s = 150,000 µs of queued prefill waited for free
+    p = ECTParams(prefill_us=100.0, prefill_us_per_ktok=0.0, fetch_us=1.0, inflight_us=1000.0, slack_s=0.05,
+                  slack_s_per_tok=1e-4)
+    v = view([800, 0], [1, 0], [2000.0, 0.0])
+    # holder: max(0, 200,000 - 150,000) + 100*200*2 + 1,000 = 91,000; the idle one: 100,000 -> it stays
+    assert ect_scores(v, p) == pytest.approx([50_000 + 40_000 + 1000, 100_000])
+    assert smetric_ect(v, p).index == 0
+    assert smetric_ect(v, P).index == 1  # without the slack the same queue moves it (241,000)
+    # a queue inside the slack is free: holders with 0 and 1,000 queued tokens cost the same
+    a, b = ect_scores(ClusterView(IDS[:2], [800, 800], [1, 1], 1000, turn=1, est_hit=512, unprefilled=[0.0, 1000.0]), p)
+    assert a == b
+
+
+def test_slack_parameters_come_from_yaml() -> None:
+    cfg = parse_config({"policy": {"name": "smetric_ect", "ect_slack_s": 0.0, "ect_slack_s_per_tok": 0.0,
+                                   "ect_fetch_us": 1.0, "ect_prefill_us": 100.0, "ect_prefill_us_per_ktok": 0.0,
+                                   "ect_inflight_us": 1000.0}})  # fmt: skip
+    v = view([800, 0], [1, 0], [2000.0, 0.0])
+    assert make_policy(cfg.policy)(v).index == 1  # no slack: the queue moves it
+    cfg = parse_config({"policy": {"name": "smetric_ect", "ect_slack_s": 0.05, "ect_slack_s_per_tok": 1e-4,
+                                   "ect_fetch_us": 1.0, "ect_prefill_us": 100.0, "ect_prefill_us_per_ktok": 0.0,
+                                   "ect_inflight_us": 1000.0}})  # fmt: skip
+    assert make_policy(cfg.policy)(v).index == 0
+    with pytest.raises(ValueError, match="ect_slack_s"):
+        PolicyConfig(name="smetric_ect", ect_slack_s=-1.0)

@@ -339,3 +339,35 @@ def test_explicit_sim_config_path_must_exist(tmp_path) -> None:  # noqa: ANN001
     assert c.instances == 3 and c.kv_load_mode == "layerwise"
     with pytest.raises(ValueError, match="kv_load_mode"):
         load_sim_config(kv_load_mode="eager")
+
+
+def test_warmup_share_leaves_the_ramp_out_of_the_measurement() -> None:
+    prof = load_profile()
+    # three lone requests far apart on one instance (no overlap): busy time inside the measured window
+    # [first + share x (last - first), last] is the work of the requests that start inside it
+    sessions = [TraceSession(f"s{k}", [TraceRequest(0.0, 5000, 11, ids(78, k + 1), turn=0)]) for k in range(3)]
+    wl = Workload("w", BS, sessions)
+    work = prof.iteration_time([(5000, 0)], 0, 0) + float(prof.decode_run_times(1, 5001, 10)[-1])
+    got = {}
+    for share in (0.0, 0.6):
+        c = load_sim_config(instances=2, rate=0.01, seed=5, global_tier="none", warmup_share=share)
+        sim = Simulator(wl, c, PolicyConfig(name="load_balance"))
+        res = sim.run()
+        starts = sorted(t for _, t, _ in place_sessions(wl, 0.01, 5, None).roots)
+        assert np.diff(starts).min() > 10 * work  # the case is what it claims: no two requests overlap
+        w0 = starts[0] + share * (starts[-1] - starts[0])
+        assert sim.measure_from == pytest.approx(w0)
+        inside = [t for t in starts[:-1] if t >= w0]  # the last starts at the window's end
+        dur = starts[-1] - w0
+        s = res.summary
+        assert s["gpu_busy_share"] == pytest.approx(len(inside) * work / (2 * dur), rel=1e-6)
+        # two instances, one request at a time: the busiest holds at least half the busy time
+        assert s["gpu_busy_max"] >= s["gpu_busy_share"]
+        assert s["req_per_min_per_instance"] == pytest.approx((len(inside) + 1) / (dur / 60) / 2)
+        got[share] = len(inside)
+    assert got[0.0] == 2 and got[0.6] <= 1
+
+
+def test_warmup_share_is_validated() -> None:
+    with pytest.raises(ValueError, match="warmup_share"):
+        load_sim_config(warmup_share=1.0)

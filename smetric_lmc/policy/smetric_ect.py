@@ -9,13 +9,27 @@ the default profile a fetched token costs ~4 µs (98 KiB over a 25 GB/s NIC) and
 110-1,200 µs (attention over the context). With the prefix in the global tier stickiness then buys
 almost nothing and balance is everything; without it a move costs the whole context.
 
+What the faithful model's decision traces showed next (trace1 map, no global tier, x ~ 0.3, where
+LMetric beat it by ~13%): the variant moved sessions off a holder whose only fault was a queued
+prefill, recomputing the whole context elsewhere. Waiting burns no GPU time and recomputing does: at
+the saturation knee, where max TPS within SLO is measured, a wait only costs throughput once it breaks
+the request's TTFT SLO. So the queue is priced only past a slack of half the SLO's budget (the
+other half is the request's own prefill): with it that cell went to 0.93x (0.80/1.06 over two
+seeds), the others within +-0.02 (bench/map_cells.py).
+
 The cost of the request on instance i, in µs:
 
-    cost[i] = t_tok * unprefilled[i]                                  prefill queued ahead of it
+    cost[i] = max(0, t_tok * unprefilled[i] - slack)                  prefill queued ahead of it, past the slack
             + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
               * (1 + load[i])                                         ... which stall the whole batch
             + t_flight * load[i]                                      drag of the in-flight requests
+            + displace * t_evict * (L - c[i])                         KV it evicts there (off by default)
     t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
+    slack   = slack_s + slack_s_per_tok * L                           (half the TTFT SLO a + b L)
+    t_evict = fetch_us with the prefix in the global tier, else t_tok
+
+The displacement term prices the other sessions' KV a move evicts on its target; it helped at x =
+0.02 (+6%) and hurt at x = 0.5 (-13%, both without a global tier, two seeds), so it ships off.
 
 The ``(1 + load)`` factor is what a request-selfish completion time misses and what made the first
 draft of this policy (without it) lose to LMetric by ~15% at large contexts: the tokens a request
@@ -48,6 +62,11 @@ class ECTParams:
     fetch_us: float = 4.0  # µs per token fetched from the global tier
     inflight_us: float = 5_000_000.0  # µs of completion cost one in-flight request adds
     hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
+    displace: float = 0.0  # share of the KV a move displaces on its target that is reused later
+    # queued prefill a request may wait behind for free: half the TTFT SLO's budget (a + b x L s; the
+    # other half is its own prefill's); 0, 0: every queued token counts
+    slack_s: float = 1.0
+    slack_s_per_tok: float = 1.0e-4
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
@@ -58,14 +77,21 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
     # request counts even under PD, where `load` counts unprefilled tokens
     flight = view.in_flight if view.in_flight is not None else view.load
+    # the KV brought to instance i evicts as much of other sessions' KV (a loaded GPU cache is full);
+    # serving that again costs a fetch where the global tier holds prefixes, a recompute where not
+    t_evict = p.displace * (p.fetch_us if g > 0 else t_tok)
+    # waiting burns no GPU time, recomputing does: at the knee only a wait past the SLO costs throughput
+    free_us = 1e6 * (p.slack_s + p.slack_s_per_tok * L)
     return [
-        t_tok * q + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        + t_evict * (L - ci)
         for ci, li, q in zip(view.local_hit, flight, queued)
     ]
 
 
 @register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
-    cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio)})
+    cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio,
+    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok)})
 def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
     if n == 0:

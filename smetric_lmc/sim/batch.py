@@ -66,7 +66,7 @@ def run_task(task: Task, workloads: Mapping[str, Workload] | None = None) -> Sim
         return SimResult(task.policy.name, summary, empty, empty, np.empty((0, 0)))
     s = res.summary
     n = task.cfg.instances
-    w0, w1 = sim.first_root_start, sim.last_root_start
+    w0, w1 = sim.measure_from, sim.last_root_start
     cols = res.cols
     if w1 <= w0 and len(cols.get("finish", ())):
         w0, w1 = float(np.min(cols["arrival"])), float(np.nanmax(cols["finish"]))

@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run (default); report: regenerate docs/results.md; map: the regime map; calibrate: "
                         "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
+    p.add_argument("--rebuild", action="store_true", help="report: rewrite the document from the last run's saved results")
     p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
     p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
     p.add_argument("--xs", help="map: comma list of mean context / KV capacity columns")

@@ -218,7 +218,8 @@ class Simulator:
         self.max_context = prof.max_context(self.bs)
         self.rec = Recorder()
         self.win_tokens: list[np.ndarray] = []
-        self.busy_in_window = 0.0  # engine-busy seconds inside [first, last root start]
+        self.busy_in_window = 0.0  # engine-busy seconds inside [measure_from, last root start]
+        self.busy_in_window_by: list[float] = []  # the same per instance
         # the policy's load (in flight / unprefilled tokens) per instance, sampled at every routing
         # decision and summed per window: the secondary, routing-time imbalance figure
         self.win_load: list[np.ndarray] = []
@@ -230,6 +231,7 @@ class Simulator:
         self._depth: dict[str, int] = {}
         self.first_root_start = 0.0
         self.last_root_start = 0.0
+        self.measure_from = 0.0  # the measured window: [measure_from, last_root_start]
 
     @property
     def gcache(self) -> PrefixCache | None:
@@ -260,9 +262,10 @@ class Simulator:
 
     def account_busy(self, pos: int, t0: float, t1: float) -> None:
         # the measurement window is known before the run: clip to it exactly
-        span = min(t1, self.last_root_start) - max(t0, self.first_root_start)
+        span = min(t1, self.last_root_start) - max(t0, self.measure_from)
         if span > 0:
             self.busy_in_window += span
+            self.busy_in_window_by[pos] += span
 
     def _sample_load(self, t: float) -> None:
         w = int(t // self.cfg.window_s)
@@ -299,6 +302,8 @@ class Simulator:
                 self._children.setdefault((pid, j), []).append(child)
         self.last_root_start = max((t for _, t, _ in pl.roots), default=0.0)
         self.first_root_start = min((t for _, t, _ in pl.roots), default=0.0)
+        self.measure_from = self.first_root_start + cfg.warmup_share * (self.last_root_start - self.first_root_start)
+        self.busy_in_window_by = [0.0] * len(self.instances)
         for s, start, copy in pl.roots:
             self._start_session(s, start, copy)
         if cfg.arrival == "open":
@@ -349,10 +354,12 @@ class Simulator:
             rec=self.rec,
             win_tokens=self.win_tokens,
             busy_in_window=self.busy_in_window,
+            busy_in_window_by=self.busy_in_window_by,
             win_load=self.win_load,
             win_samples=self.win_samples,
             first_root_start=self.first_root_start,
             last_root_start=self.last_root_start,
+            measure_from=self.measure_from,
             events=self.events,
             busy_s=[i.busy_time for i in self.instances],
             stall_s=[i.stall_time for i in self.instances],

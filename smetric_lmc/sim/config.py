@@ -44,6 +44,11 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # False (with measure: arrivals): no request is issued after the last session start; the
     # window's metrics are unchanged (nothing later can touch them) and long sessions need no drain.
     drain: bool = True
+    # Share of the session-arrival window left out of the measurement (measure: arrivals): closed-loop
+    # sessions pile up until their lifetimes overlap, so the window's first part is a ramp, not the
+    # offered load; averaging it in put every peak row below the knee (WEKA's sessions outlive a
+    # 10-minute window: its load ramped the whole time).
+    warmup_share: float = 0.0
     window_s: float = 60.0  # load-heatmap / imbalance window
     decode_run_max: int = 512  # longest batch of decode iterations advanced in one step
     # Recorded think times above this are clipped: multi-hour gaps are a user away from the keyboard,
@@ -65,6 +70,8 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         global_capacity_factor(self.global_tier)  # validates
         if self.arrival_window_s <= 0:
             raise ValueError("arrival_window_s must be > 0")
+        if not 0 <= self.warmup_share < 1:
+            raise ValueError("warmup_share must be within [0, 1)")
 
     @property
     def has_global(self) -> bool:

@@ -4,12 +4,21 @@ A setting is a workload, a sim config (cluster, global tier, PD mode, arrival wi
 A pilot run of one policy at a guessed load measures the GPU busy share; the session rate is scaled
 towards ``TARGET_BUSY`` (twice, by default). Every policy then runs at ``factors`` × that knee rate
 (roots drawn with replacement, so more load means more sessions, never a pool that runs dry) and
-is credited with its best score; a policy whose best is its highest load gets one more run 1.5 x
-further. A peak still at the top rate, or below ``BUSY_FLAG`` GPU busy, is flagged.
+is credited with its best score. A policy whose best is its highest load, or whose highest load
+left its GPUs under ``BUSY_FLAG`` busy (the sweep has not reached its saturation knee yet), gets
+one more run ``EXTEND_STEP`` x further, and one whose best is its lowest load one run ``EXTEND_STEP``
+x lower (its SLO gave out below the knee rate: the peak is not bracketed), up to ``extend`` times. With ``min_sessions``, each setting's
+arrival window is then stretched so at least that many root sessions arrive at its knee rate (a
+cell with long contexts saturates at a few sessions per minute: a short window measures a handful).
+
+A peak below ``BUSY_FLAG`` busy is flagged with its cause: either the sweep did not reach the
+policy's knee (a method failure), or it did and the policy's TPS within SLO peaked at a lower load
+(SLO-bound before the GPUs: its busiest instance's share and its token imbalance say why).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +35,7 @@ from smetric_lmc.workload.presets import requests_per_root
 
 TARGET_BUSY = 0.9
 BUSY_FLAG = 0.8
+HOT_BUSY = 0.95  # an instance this busy is saturated
 EXTEND_STEP = 1.5
 
 
@@ -42,7 +52,9 @@ class KneeResult:
     peaks: dict[str, SimResult] = field(default_factory=dict)  # policy -> its best run
     rate_factor: dict[str, float] = field(default_factory=dict)  # policy -> best rate / knee rate
     by_rate: dict[str, dict[float, float]] = field(default_factory=dict)  # policy -> rate -> score
+    busiest: dict[str, float] = field(default_factory=dict)  # policy -> highest busy share of any of its runs
     flags: list[str] = field(default_factory=list)
+    window_s: float = 0.0  # the arrival window the policies ran over
 
     def score(self, policy: str) -> float:
         r = self.peaks.get(policy)
@@ -87,9 +99,11 @@ def knee_sweeps(
     pilots: int = 2,
     desc: str = "knee",
     extend: int = 1,
+    min_sessions: int = 0,
 ) -> dict[Hashable, KneeResult]:
     """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
-    ``EXTEND_STEP`` x further, for the policies whose best is still their top load."""
+    ``EXTEND_STEP`` x further, for the policies whose best is still their top load or whose top load
+    did not saturate their GPUs."""
     keys = list(settings)
     knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
     for it in range(pilots):
@@ -99,9 +113,13 @@ def knee_sweeps(
         for k, r in zip(keys, run_tasks(workloads, tasks, jobs, desc=f"{desc}: pilot {it + 1}/{pilots}")):
             busy = max(float(r.summary.get("gpu_busy_share", 0.0)), 0.05)
             knee[k] *= min(16.0, max(0.25, TARGET_BUSY / busy))
-    out = {k: KneeResult(knee[k]) for k in keys}
+    if min_sessions:
+        settings = {k: _stretched(s, min_sessions / knee[k]) for k, s in settings.items()}
+    out = {k: KneeResult(knee[k], window_s=settings[k].cfg.arrival_window_s) for k in keys}
     todo = [(k, pol, f) for k in keys for pol in policies for f in factors]
     top = {(k, pol.name): max(factors) for k in keys for pol in policies}
+    bottom = {(k, pol.name): min(factors) for k in keys for pol in policies}
+    top_busy: dict[tuple[Hashable, str], float] = {}
     for rnd in range(extend + 1):
         tasks = [
             Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), pol, settings[k].profile)
@@ -111,25 +129,72 @@ def knee_sweeps(
         for (k, pol, f), r in zip(todo, run_tasks(workloads, tasks, jobs, desc=label), strict=True):
             kr = out[k]
             kr.by_rate.setdefault(pol.name, {})[knee[k] * f] = r.score
+            busy = float(r.summary.get("gpu_busy_share", 0.0))
+            kr.busiest[pol.name] = max(kr.busiest.get(pol.name, 0.0), busy)
+            if f >= top[(k, pol.name)]:
+                top_busy[(k, pol.name)] = busy
             if pol.name not in kr.peaks or r.score > kr.peaks[pol.name].score:
                 kr.peaks[pol.name] = r
                 kr.rate_factor[pol.name] = f
         if rnd == extend:
             break
-        # a policy still best at its top load has not shown its knee: one more step up
-        todo = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
-                if out[k].rate_factor[pol.name] >= top[(k, pol.name)] and len(factors) > 1]  # fmt: skip
-        for k, pol, f in todo:
+        # a policy still best at its top load, or not yet saturated there, has not shown its knee;
+        # one best at its bottom load peaks below it (past its SLO cliff already): one step down
+        up = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
+              if (out[k].rate_factor[pol.name] >= top[(k, pol.name)] and len(factors) > 1)
+              or top_busy.get((k, pol.name), 1.0) < BUSY_FLAG]  # fmt: skip
+        down = [(k, pol, bottom[(k, pol.name)] / EXTEND_STEP) for k in keys for pol in policies
+                if out[k].rate_factor[pol.name] <= bottom[(k, pol.name)] and len(factors) > 1]  # fmt: skip
+        for k, pol, f in up:
             top[(k, pol.name)] = f
+        for k, pol, f in down:
+            bottom[(k, pol.name)] = f
+        todo = up + down
         if not todo:
             break
     for k, kr in out.items():
         for name, r in kr.peaks.items():
             if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:
                 kr.flags.append(f"{name}: best at the top rate")
+            elif kr.rate_factor[name] <= bottom[(k, name)] and len(factors) > 1:
+                kr.flags.append(f"{name}: best at the bottom rate")
             if r.summary.get("failed"):
                 kr.flags.append(f"{name}: a run failed ({r.summary['failed']})")
             busy = float(r.summary.get("gpu_busy_share", 0.0))
             if busy < BUSY_FLAG:
-                kr.flags.append(f"{name}: peak at {busy:.0%} GPU busy")
+                kr.flags.append(f"{name}: {low_peak_cause(r.summary, kr.busiest.get(name, busy))}")
     return out
+
+
+def low_peak_cause(s: Mapping[str, Any], busiest: float) -> str:
+    """Why a peak sits below ``BUSY_FLAG`` GPU busy, from the run's own numbers."""
+    busy = float(s.get("gpu_busy_share", 0.0))
+    hot = float(s.get("gpu_busy_max", math.nan))
+    imb = float(s.get("token_imbalance_mean", math.nan))
+    if busiest < BUSY_FLAG and hot >= HOT_BUSY:
+        # not a sweep that stopped short: the policy piles its load onto a few instances, which saturate
+        # while the rest idle; more offered load only lengthens their queues
+        return (f"peak at {busy:.0%} GPU busy, load-skewed: its busiest instance was {hot:.0%} busy (token imbalance "
+                f"{imb:.2f}) and no run's mean passed {busiest:.0%}")  # fmt: skip
+    if busiest < BUSY_FLAG:
+        return (f"peak at {busy:.0%} GPU busy and no run above {busiest:.0%}: the sweep did not reach "
+                "this policy's knee")  # fmt: skip
+    return (
+        f"peak at {busy:.0%} GPU busy, SLO-bound: at more load its GPUs reached {busiest:.0%} but its TPS within "
+        f"SLO fell; at the peak its busiest instance was {hot:.0%} busy (token imbalance {imb:.2f})"
+    )
+
+
+def refresh_flags(kr: KneeResult) -> None:
+    """Re-derive the low-peak flags from the stored runs (a saved report rebuilt with newer wording)."""
+    kr.flags = [f for f in kr.flags if ": peak at " not in f]
+    for name, r in kr.peaks.items():
+        busy = float(r.summary.get("gpu_busy_share", 0.0))
+        if busy < BUSY_FLAG:
+            kr.flags.append(f"{name}: {low_peak_cause(r.summary, kr.busiest.get(name, busy))}")
+
+
+def _stretched(s: Setting, window_s: float) -> Setting:
+    if window_s <= s.cfg.arrival_window_s:
+        return s
+    return Setting(s.wkey, msgspec.structs.replace(s.cfg, arrival_window_s=window_s), s.profile)

@@ -98,11 +98,13 @@ class RunStats:
     policy: str
     rec: Recorder
     win_tokens: list[np.ndarray]
-    busy_in_window: float  # engine-busy seconds inside [first_root_start, last_root_start]
+    busy_in_window: float  # engine-busy seconds inside [measure_from, last_root_start]
+    busy_in_window_by: list[float]  # the same per instance
     win_load: list[np.ndarray]
     win_samples: list[int]
     first_root_start: float
     last_root_start: float
+    measure_from: float  # first_root_start + warmup_share x the arrival window
     events: int
     busy_s: list[float]
     stall_s: list[float]
@@ -142,13 +144,15 @@ def summarize(st: RunStats) -> SimResult:
     run_dur = max(t1 - t0, 1e-9)
     w0, w1 = t0, t1
     if cfg.measure == "arrivals" and st.last_root_start > st.first_root_start:
-        w0, w1 = st.first_root_start, st.last_root_start
+        w0, w1 = st.measure_from, st.last_root_start
     dur = max(w1 - w0, 1e-9)
     # GPU busy share: a step in progress (load/store waits included), per instance, over the window
     if (w0, w1) == (t0, t1):
         busy_share = sum(st.busy_s) / (run_dur * cfg.instances)  # every step lies in the run
+        busy_max = max(st.busy_s) / run_dur
     else:
         busy_share = st.busy_in_window / (dur * cfg.instances)
+        busy_max = max(st.busy_in_window_by, default=0.0) / dur
     inside = (cols["finish"] >= w0) & (cols["finish"] <= w1)
     arrived_in = served & (cols["arrival"] >= w0) & (cols["arrival"] <= w1)
     served_in = int(inp[served].sum())
@@ -182,6 +186,7 @@ def summarize(st: RunStats) -> SimResult:
         evicted_local_blocks=int(st.evicted_local_blocks),
         evicted_global_blocks=int(st.evicted_global_blocks),
         gpu_busy_share=busy_share,
+        gpu_busy_max=busy_max,  # the busiest instance: an imbalanced policy saturates it first
         saturated=bool(busy_share >= SATURATED_BUSY),
         stall_share=float(sum(st.stall_s) / max(1e-9, sum(st.busy_s))),
         req_per_min_per_instance=float(arrived_in.sum() / (dur / 60.0) / cfg.instances),

@@ -48,7 +48,10 @@ class MapSpec:
     baselines: Sequence[str] = BASELINES
     instances: int = 16
     pool_roots: int = 600  # root sessions generated per x (drawn with replacement)
-    window_s: float = 2400.0  # session-arrival window of a point (its measured period)
+    window_s: float = 2400.0  # session-arrival window of a point (at least: see min_sessions)
+    warmup_share: float = 0.4  # of the window, left out of the measurement (the sessions' ramp-up)
+    min_sessions: int = 0  # stretch a cell's window so at least this many root sessions arrive at its knee
+    extend: int = 1  # rounds of one more load step for a policy best at either end of its sweep
     rate_factors: Sequence[float] = (0.6, 0.8, 1.0, 1.25, 1.6)
     seed: int = 0  # the workload's seed
     seeds: Sequence[int] = (0, 1, 2)  # arrival seeds (+ the config's): each cell runs once per seed, all policies alike
@@ -154,7 +157,7 @@ def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
     # roots drawn with replacement over a fixed window: the offered load is `rate` whatever the pool
     return msgspec.structs.replace(
         base, instances=spec.instances, global_tier=tier, pd=False, rate=rate, sampling="replace", drain=False,
-        arrival_window_s=spec.window_s, max_sessions=None,
+        arrival_window_s=spec.window_s, max_sessions=None, warmup_share=spec.warmup_share,
     )  # fmt: skip
 
 
@@ -206,7 +209,8 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     }  # fmt: skip
     pols = [_policy(spec, p) for p in spec.policies]
     res = knee_sweeps(
-        wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map"
+        wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map",
+        min_sessions=spec.min_sessions, extend=spec.extend,
     )
     cells = []
     for x in spec.xs:
@@ -368,8 +372,10 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     md = [
         f"Preset `{sp.preset}`, {sp.instances} instances; the profile's {m.kv_tokens:,} KV tokens per instance, grown "
         "below the preset's natural x (column `KV`), contexts scaled above it (column `scale`). Each cell at its own "
-        f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy; "
-        f"every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
+        f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy "
+        "(one more run 1.5× beyond for a policy best at either end, or not 80% busy at the top), over an arrival "
+        f"window of ≥ {sp.window_s:g} s" + (f" stretched to ≥ {sp.min_sessions} root sessions" if sp.min_sessions else "")
+        + f", its first {sp.warmup_share:.0%} warm-up; every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
         f"Every cell runs {len(sp.seeds)} arrival seed(s); within a seed all policies replay the same arrivals and "
         "the same roots (common random numbers), so each ratio is a paired per-seed ratio to the baseline that is "
@@ -388,11 +394,20 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
     for c in m.cells:
         busy = [float(c.peak(p).get("gpu_busy_share", math.nan)) for p in sp.policies if c.peak(p)]
         top = [p for p in sp.policies if f"{p}: best at the top rate" in c.flags]
+        bottom = [p for p in sp.policies if f"{p}: best at the bottom rate" in c.flags]
         low = sum(1 for b in busy if b < 0.8)
-        if low or top:
-            flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%)"
-                           + (f"; best at the top load: {', '.join(top)}" if top else ""))  # fmt: skip
+        slo = sum(1 for f in c.flags if "SLO-bound" in f)
+        unreached = sum(1 for f in c.flags if "did not reach" in f)
+        skewed = sum(1 for f in c.flags if "load-skewed" in f)
+        if low or top or bottom:
+            flagged.append(f"- {c.tier} @ x={c.x:.3f}: peaks at {min(busy):.0%}–{max(busy):.0%} GPU busy ({low} below 80%"
+                           + (f"; over the seeds {slo} peak rows SLO-bound, {skewed} load-skewed, {unreached} short of "
+                              "the knee" if low else "")
+                           + ")" + (f"; best at the top load: {', '.join(top)}" if top else "")
+                           + (f"; best at the bottom load: {', '.join(bottom)}" if bottom else ""))  # fmt: skip
     if flagged:
-        md += ["Flagged cells (a peak below 80% GPU busy: the SLO gave out first; or the best load is the top of the sweep):\n",
+        md += ["Flagged cells (a peak below 80% GPU busy, with its cause: SLO-bound = more load saturated the GPUs but "
+               "lost SLO, load-skewed = the busiest instance saturated while the mean stayed low, short of the knee = no run "
+               "saturated them; or a best load at the edge of the sweep):\n",
                "\n".join(flagged) + "\n"]  # fmt: skip
     return "\n".join(md)

@@ -15,6 +15,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import msgspec
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.sim.batch import Task, run_tasks
 from smetric_lmc.sim.config import SimConfig, load_sim_config
-from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps
+from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps, refresh_flags
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.sim.regime_map import MapSpec, RegimeMap, heatmap_png, map_markdown, run_map
 from smetric_lmc.sim.report import reasons_table
@@ -53,16 +55,22 @@ class Size:
     pilots: int
     reference: bool  # also run round_robin and cache_first
     map: MapSpec = field(default_factory=MapSpec)
+    warmup_share: float = 0.4  # of each arrival window, left out of the measurement (ramp-up)
+    extend: int = 1  # rounds of one more load step for a policy best at either end of its sweep
 
 
-# 32 instances for the settings, the 6 x 4 map on 8 over three arrival seeds. One seed took 32 min on two
-# shared cores; three seeds triple the map's part (not yet timed).
-FULL = Size(32, 1200.0, 1500, (1.0, 1.3, 1.7), 2, False,
-            MapSpec(instances=8, pool_roots=600, window_s=1200.0, rate_factors=(1.0, 1.3, 1.7), variant=VARIANT))  # fmt: skip
+# 32 instances for the settings; the 5 x 4 map on 8 instances over two arrival seeds, each cell's window
+# stretched to >= 150 root sessions at its knee (long contexts saturate at a few sessions per minute).
+# Three rounds of bracketing: without a global tier the pilot's 90%-busy rate is past every policy's
+# SLO cliff, and one step down (1/1.5) still left each best at its lowest load.
+FULL = Size(32, 1200.0, 1500, (1.0, 1.4), 2, False,
+            MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=8, pool_roots=600, window_s=1200.0,
+                    rate_factors=(1.0, 1.4), variant=VARIANT, seeds=(0, 1), min_sessions=150, extend=3),
+            extend=3)  # fmt: skip
 # On 4 instances the seed-to-seed spread of a cell's ratio reaches 0.1-0.35 (8 halve it, at twice the time).
 QUICK = Size(8, 600.0, 200, (1.0, 1.5), 2, False,
              MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=4, pool_roots=200, window_s=600.0,
-                     rate_factors=(1.0, 1.5), variant=VARIANT, pilots=2, seeds=(0, 1, 2)))  # fmt: skip
+                     rate_factors=(1.0, 1.5), variant=VARIANT, pilots=2, seeds=(0, 1, 2), min_sessions=60))  # fmt: skip
 SENSITIVITY: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("kv_load_mode sync (default)", {}, {}),
     ("kv_load_mode layerwise", {"kv_load_mode": "layerwise"}, {}),
@@ -80,7 +88,8 @@ def shared_dir() -> Path:
 
 def _cfg(base: SimConfig, size: Size, **kw: Any) -> SimConfig:
     return msgspec.structs.replace(base, instances=size.instances, sampling="replace", drain=False,
-                                   arrival_window_s=size.window_s, max_sessions=None, **kw)  # fmt: skip
+                                   arrival_window_s=size.window_s, max_sessions=None,
+                                   warmup_share=size.warmup_share, **kw)  # fmt: skip
 
 
 def _seed_mean(v: list[float]) -> float:
@@ -92,7 +101,7 @@ def _r(x: float) -> str:
 
 
 def peak_table(kr: KneeResult, baselines: tuple[str, ...]) -> str:
-    head = ["policy", "score", "÷ best baseline", "GPU busy", "req/min/inst", "rate (sessions/s)",
+    head = ["policy", "score", "÷ best baseline", "GPU busy", "busiest inst", "req/min/inst", "rate (sessions/s)",
             "local/global/miss", "token imbalance", "in-flight imbalance", "SLO met", "stall share"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p, r in kr.peaks.items():
@@ -100,6 +109,7 @@ def peak_table(kr: KneeResult, baselines: tuple[str, ...]) -> str:
         busy = float(s.get("gpu_busy_share", math.nan))
         lines.append("| " + " | ".join([
             p, f"{r.score:,.0f}", _r(kr.ratio(p, baselines)), f"{busy:.0%}" + (" ⚠" if busy < 0.8 else ""),
+            f"{s.get('gpu_busy_max', math.nan):.0%}",
             f"{s.get('req_per_min_per_instance', math.nan):.1f}", f"{kr.knee_rate * kr.rate_factor[p]:.3g}",
             f"{s['hit_local']:.2f}/{s['hit_global']:.2f}/{s['hit_miss']:.2f}",
             f"{s.get('token_imbalance_mean', math.nan):.2f}", f"{s.get('inflight_imbalance_mean', math.nan):.2f}",
@@ -129,17 +139,21 @@ def loss_share(kr: KneeResult, policy: str) -> tuple[float, float]:
 
 def sensitivity(wls: dict[str, Workload], st: Setting, kr: KneeResult, pols: list[str], prof: Profile,
                 jobs: int) -> list[tuple[str, dict[str, float]]]:  # fmt: skip
-    """Each policy rerun at its peak rate of the setting with one model constant changed."""
+    """Each policy rerun at its peak rate of the setting with one model constant changed (the
+    unchanged row is the peak run itself: simulated time is deterministic, so it is not rerun)."""
     tasks, where = [], []
+    rows: dict[str, dict[str, float]] = {}
     for label, cfg_kw, prof_kw in SENSITIVITY:
         p2 = prof.with_overrides(**prof_kw) if prof_kw else prof
         for p in pols:
+            if not cfg_kw and not prof_kw:
+                rows.setdefault(label, {})[p] = kr.score(p)
+                continue
             rate = kr.knee_rate * kr.rate_factor[p]
             tasks.append(
                 Task(st.wkey, msgspec.structs.replace(st.cfg, rate=rate, **cfg_kw), PolicyConfig(name=p), p2)
             )  # type: ignore[arg-type]
             where.append((label, p))
-    rows: dict[str, dict[str, float]] = {}
     for (label, p), r in zip(where, run_tasks(wls, tasks, jobs, desc="sensitivity"), strict=True):
         rows.setdefault(label, {})[p] = r.score
     return list(rows.items())
@@ -160,11 +174,7 @@ def verdict(res: dict[str, KneeResult], bl: tuple[str, ...], sens: list[tuple[st
         f"Against the paper's targets, in the regime calibrated to its Trace 1: with a global store SMetric reaches "
         f"{_r(g)}× the best baseline ({met(g, 1.10)} the ≥ 1.10 target; paper 1.10–1.16×), without one {_r(n)}× "
         f"({met(n, 0.99)} ≥ 0.99), under PD disaggregation {_r(pd)}× (paper 1.02–1.34×). "
-        f"The mechanism the paper credits — a load-balancing router stalling on global-tier fetches — is small in "
-        f"this model: at the global-tier peak {b} fetches {fetched[b]:.0%} of prompt tokens yet its GPUs spend "
-        f"{st[b]:.1%} of their busy time waiting on loads (SMetric {st[OURS]:.1%}), because a fetch moves KV at "
-        "PCIe/NIC speed (tens of GB/s) while recomputing it costs attention over the whole context. So balance "
-        "wins where the global tier holds the context, and stickiness only pays where it does not."
+        + mechanism(b, fetched, st)
     )
     if sens:
         rows = dict(sens)
@@ -175,6 +185,23 @@ def verdict(res: dict[str, KneeResult], bl: tuple[str, ...], sens: list[tuple[st
             + "."
         )
     return text + "\n"
+
+
+def mechanism(b: str, fetched: dict[str, float], st: dict[str, float]) -> str:
+    """What the global-tier peak says about the paper's mechanism, worded by the numbers."""
+    size = "small" if st[b] < 0.05 else "visible"
+    return (
+        f"The mechanism the paper credits — a load-balancing router stalling on global-tier fetches — is {size} in "
+        f"this model: at the global-tier peak {b} fetches {fetched[b]:.0%} of prompt tokens and its GPUs spend "
+        f"{st[b]:.1%} of their busy time waiting on loads (SMetric fetches {fetched[OURS]:.0%}, waits {st[OURS]:.1%})"
+        + (", because a fetch moves KV at PCIe/NIC speed (tens of GB/s) while recomputing it costs attention over "
+           "the whole context." if size == "small" else ".")
+    )
+
+
+def row_means(m: RegimeMap, policy: str, bl: tuple[str, ...]) -> dict[str, float]:
+    """Mean ratio to the best baseline per global-tier row of the map."""
+    return {t: _seed_mean([c.ratio(policy, bl) for c in m.cells if c.tier == t]) for t in m.spec.tiers}
 
 
 def discussion(res: dict[str, KneeResult], m: RegimeMap, bl: tuple[str, ...]) -> str:
@@ -204,7 +231,36 @@ def discussion(res: dict[str, KneeResult], m: RegimeMap, bl: tuple[str, ...]) ->
         f"(min {_r(min(vr))}, max {_r(max(vr))}), and ≥ SMetric in {sum(r >= 1.0 for r in vs)} of {len(vs)} "
         f"(min {_r(min(vs))})."
     )
+    rows = row_means(m, OURS, bl)
+    hi, lo = max(rows, key=lambda t: rows[t]), min(rows, key=lambda t: rows[t])
+    out.append(
+        "- **Where stickiness pays**: averaged over x, SMetric ÷ the best baseline is "
+        + ", ".join(f"{_r(v)} with global tier {t}" for t, v in rows.items())
+        + f"; it does best relative to the baselines with global tier {hi} and worst with {lo}."
+    )
+    out.append(variant_losses(m, bl))
     return "\n".join(out) + "\n"
+
+
+def variant_losses(m: RegimeMap, bl: tuple[str, ...]) -> str:
+    """Where the variant stays under the best baseline on the map, and what its decisions did there
+    (first seed's peak runs: share of follow-ups moved off their holder, prompt tokens recomputed)."""
+    lost = [c for c in m.cells if c.ratio(VARIANT, bl) < 1.0]
+    if not lost:
+        return f"- **`{VARIANT}` on the map**: at or above the best baseline in every cell."
+    parts = []
+    for c in lost:
+        b, _ = c.best_baseline(bl)
+        v, bs = c.peak(VARIANT), c.peak(b)
+        rs = v.get("reasons", {})
+        moved = (rs.get("overloaded_fallback", 0) + rs.get("evicted_fallback", 0)) / max(1, sum(rs.values()))
+        parts.append(
+            f"{c.tier} @ x={c.x:.2f}: {_r(c.ratio(VARIANT, bl))} ± {c.spread(VARIANT, bl):.2f} vs {b} (moved "
+            f"{moved:.0%} of requests off their holder; recomputed {v.get('hit_miss', math.nan):.0%} of prompt tokens "
+            f"vs {bs.get('hit_miss', math.nan):.0%}; token imbalance {v.get('token_imbalance_mean', math.nan):.2f} vs "
+            f"{bs.get('token_imbalance_mean', math.nan):.2f})"
+        )
+    return f"- **`{VARIANT}` under the best baseline** in {len(lost)} of {len(m.cells)} cells: " + "; ".join(parts) + "."
 
 
 def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
@@ -214,28 +270,27 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     if not trace.exists():
         print(f"trace not found: {trace} (set SMETRIC_SHARED or pass --trace)")
         return 2
-    from smetric_lmc.workload import load_any
-
-    t0 = time.perf_counter()
-    prof = load_profile(args.profile or "qwen3-30b-a3b-h20")
-    base = load_sim_config(args.config, profile=args.profile, seed=args.seed)
-    limit = int(0.9 * prof.max_context(64))
-    wls = {"weka": load_any(trace, shared_prefix=args.shared_prefix),
-           "trace1": preset_workload("trace1", size.trace1_roots, seed=base.seed, context_limit=limit)}  # fmt: skip
-    settings = {
-        "trace1_global": Setting("trace1", _cfg(base, size, global_tier="full", pd=False), prof),
-        "trace1_none": Setting("trace1", _cfg(base, size, global_tier="none", pd=False), prof),
-        "trace1_pd": Setting("trace1", _cfg(base, size, global_tier="full", pd=True), prof),
-        "weka_global": Setting("weka", _cfg(base, size, global_tier="full", pd=False), prof),
-        "weka_none": Setting("weka", _cfg(base, size, global_tier="none", pd=False), prof),
-    }
-    names = [OURS, VARIANT, *BASELINES, *(REFERENCE if size.reference else ())]
-    bl = tuple(n for n in names if n not in (OURS, VARIANT))
-    res = knee_sweeps(wls, settings, [PolicyConfig(name=n) for n in names], PolicyConfig(name=OURS),  # type: ignore[arg-type]
-                      size.factors, args.jobs, size.pilots, desc="settings")  # fmt: skip
-    m = run_map(size.map, base, prof, args.jobs)
-    sens = sensitivity(wls, settings["trace1_global"], res["trace1_global"],
-                       [OURS, VARIANT, res["trace1_global"].best_of(bl)[0]], prof, args.jobs)  # fmt: skip
+    cache = cache_path("quick" if size is QUICK else "full" if size is FULL else "custom")
+    if getattr(args, "rebuild", False):
+        # the document again from the last run's results (its text changed, its numbers did not)
+        if not cache.exists():
+            print(f"no saved results to rebuild from: {cache} (run `smetric sim report` first)")
+            return 2
+        with cache.open("rb") as f:
+            saved = pickle.load(f)
+        base, prof, wl_stats, res, m, sens, bl, elapsed, jobs = (saved[k] for k in (
+            "base", "prof", "wl_stats", "res", "m", "sens", "bl", "elapsed", "jobs"))  # fmt: skip
+    else:
+        t0 = time.perf_counter()
+        base, prof, wl_stats, res, m, sens, bl = run_report(args, size, trace)
+        elapsed, jobs = time.perf_counter() - t0, args.jobs
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with cache.open("wb") as f:
+            pickle.dump({"base": base, "prof": prof, "wl_stats": wl_stats, "res": res, "m": m, "sens": sens, "bl": bl,
+                         "elapsed": elapsed, "jobs": jobs}, f)  # fmt: skip
+        log.info("results saved to %s (`smetric sim report --rebuild` rewrites the document from them)", cache)
+    for kr in [*res.values(), *(k for c in m.cells for k in c.knees)]:
+        refresh_flags(kr)
     out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
     png = heatmap_png(m, out.parent / "img" / "regime_map.png")
     busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
@@ -251,14 +306,48 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
         "variant_vs_best_min_over_map": round(min(c.ratio(VARIANT, bl) for c in m.cells), 4),
         "variant_vs_smetric_min_over_map": round(min(_seed_mean(c.seed_ratios(VARIANT, OURS)) for c in m.cells), 4),
     }
-    doc = build_document(args, size, base, prof, wls, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
-                         time.perf_counter() - t0, summary)  # fmt: skip
+    doc = build_document(args, size, base, prof, wl_stats, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
+                         elapsed, summary, jobs)  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     print(doc)
     print(f"wrote {out} and {png}")
     print(json.dumps(summary, separators=(",", ":")))
     return 0
+
+
+def cache_path(tag: str) -> Path:
+    """Where a report run leaves its results for ``--rebuild`` ($SMETRIC_REPORT_CACHE, else the temp dir)."""
+    d = os.environ.get("SMETRIC_REPORT_CACHE") or tempfile.gettempdir()
+    return Path(d) / f"smetric-sim-report-{tag}.pkl"
+
+
+def run_report(args: argparse.Namespace, size: Size, trace: Path) -> tuple[Any, ...]:
+    """Every simulation of the report: the five settings, the map and the sensitivity rows."""
+    from smetric_lmc.workload import load_any
+
+    prof = load_profile(args.profile or "qwen3-30b-a3b-h20")
+    base = load_sim_config(args.config, profile=args.profile, seed=args.seed)
+    limit = int(0.9 * prof.max_context(64))
+    wls = {"weka": load_any(trace, shared_prefix=args.shared_prefix),
+           "trace1": preset_workload("trace1", size.trace1_roots, seed=base.seed, context_limit=limit)}  # fmt: skip
+    settings = {
+        "trace1_global": Setting("trace1", _cfg(base, size, global_tier="full", pd=False), prof),
+        "trace1_none": Setting("trace1", _cfg(base, size, global_tier="none", pd=False), prof),
+        "trace1_pd": Setting("trace1", _cfg(base, size, global_tier="full", pd=True), prof),
+        "weka_global": Setting("weka", _cfg(base, size, global_tier="full", pd=False), prof),
+        "weka_none": Setting("weka", _cfg(base, size, global_tier="none", pd=False), prof),
+    }
+    names = [OURS, VARIANT, *BASELINES, *(REFERENCE if size.reference else ())]
+    bl = tuple(n for n in names if n not in (OURS, VARIANT))
+    res = knee_sweeps(wls, settings, [PolicyConfig(name=n) for n in names], PolicyConfig(name=OURS),  # type: ignore[arg-type]
+                      size.factors, args.jobs, size.pilots, desc="settings", extend=size.extend)  # fmt: skip
+    m = run_map(size.map, base, prof, args.jobs)
+    sens = sensitivity(wls, settings["trace1_global"], res["trace1_global"],
+                       [OURS, VARIANT, res["trace1_global"].best_of(bl)[0]], prof, args.jobs)  # fmt: skip
+    wl_stats = {k: {"requests": w.n_requests, "sessions": len(w.sessions),
+                    "shared_prefix": bool(w.meta.get("shared_prefix"))} for k, w in wls.items()}  # fmt: skip
+    return base, prof, wl_stats, res, m, sens, bl
 
 
 SETTING_LABELS = {
@@ -270,16 +359,17 @@ SETTING_LABELS = {
 }
 
 
-def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: Profile, wls: dict[str, Workload],
-                   res: dict[str, KneeResult], m: RegimeMap, sens: list[tuple[str, dict[str, float]]],
-                   bl: tuple[str, ...], png: str, elapsed: float, summary: dict[str, Any]) -> str:  # fmt: skip
+def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: Profile,
+                   wl_stats: dict[str, dict[str, Any]], res: dict[str, KneeResult], m: RegimeMap,
+                   sens: list[tuple[str, dict[str, float]]], bl: tuple[str, ...], png: str, elapsed: float,
+                   summary: dict[str, Any], jobs: int) -> str:  # fmt: skip
     quick = size is not FULL
     cmd = (
         "smetric sim report"
         + (" --quick" if quick else "")
-        + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+        + (f" --jobs {jobs}" if jobs > 1 else "")
     )
-    w, t = wls["weka"], wls["trace1"]
+    w, t = wl_stats["weka"], wl_stats["trace1"]
     md = [
         "# Simulated results: where SMetric raises TPS, by how much, and what beats it where it loses\n",
         f"Generated by `{cmd}` in {elapsed / 60:.0f} min"
@@ -304,16 +394,21 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
         f"{base.slo.ttft_base_s:g} s + {base.slo.ttft_per_token_s:g} s × input tokens, TPOT ≤ {base.slo.tpot_s * 1000:g} ms.",
         f"- Load: root sessions start as a Poisson process over a {size.window_s:g} s window, drawn **with "
         "replacement** from the workload (copies get distinct content past shared prefixes), so the offered load "
-        "is the session rate however small the pool. Each setting finds its knee: a pilot run of SMetric scales "
-        f"the rate towards 90% GPU busy, then every policy runs at {', '.join(f'{f:g}' for f in size.factors)} × "
-        "that rate and is credited with its best TPS within SLO (its peak row). A peak below 80% GPU busy is "
-        "marked ⚠: there the policy's SLO gave out before its GPUs did.",
-        f"- Workloads: the `trace1` preset ({t.n_requests:,} requests in {len(t.sessions):,} sessions, calibrated to "
+        f"is the session rate however small the pool. The first {size.warmup_share:.0%} of each window is warm-up "
+        "(closed-loop sessions pile up until their lifetimes overlap) and is not measured. Each setting finds its "
+        "knee: a pilot run of SMetric scales the rate towards 90% GPU busy, then every policy runs at "
+        f"{', '.join(f'{f:g}' for f in size.factors)} × that rate and is credited with its best TPS within SLO (its "
+        "peak row); a policy best at its lowest load gets a run 1.5× lower, one best at its highest load, or not "
+        "yet 80% busy there, a run 1.5× higher, so each peak is bracketed. A peak below 80% GPU busy is marked ⚠ "
+        "and flagged with its cause (see each setting's flags): SLO-bound (more load saturated its GPUs but lost "
+        "SLO), load-skewed (its busiest instance saturated while the mean stayed low: more load only queues "
+        "there), or the sweep did not reach its knee.",
+        f"- Workloads: the `trace1` preset ({t['requests']:,} requests in {t['sessions']:,} sessions, calibrated to "
         "the paper's Trace 1 statistics; docs/workload.md) and the WEKA Claude Code trace "
-        f"({w.n_requests:,} requests in {len(w.sessions):,} sessions"
+        f"({w['requests']:,} requests in {w['sessions']:,} sessions"
         + (
             ", system prompts shared across sessions"
-            if w.meta.get("shared_prefix")
+            if w["shared_prefix"]
             else ", no cross-session sharing"
         )
         + "). Best baseline = the best of "
