@@ -5,13 +5,14 @@ mirror equal to the engine's cache; OpenAI streaming with cached_tokens; a clean
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,20 @@ from smetric_lmc.mock_engine.kv_events import all_blocks_cleared, block_removed,
 from smetric_lmc.mock_engine.server import encode_text, render_chat
 from smetric_lmc.replay.runner import Replay, ReplayConfig
 from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
+
+
+@contextlib.asynccontextmanager
+async def subscribed(info: Any, sink: Any) -> AsyncIterator[VllmEventSubscriber]:
+    """A real vLLM KV-event subscriber following one mock engine (connects, as to a vLLM that binds)."""
+    sub = VllmEventSubscriber(info.kv_events_endpoint, info.instance_id, sink,
+                              replay_endpoint=info.replay_endpoint, bind=False)
+    task = asyncio.create_task(sub.run())
+    try:
+        yield sub
+    finally:
+        await sub.close()
+        task.cancel()
+
 
 
 def _rebuild(event: Any) -> dict[str, Any]:
@@ -91,17 +106,11 @@ async def test_first_frame_equals_real_vllm_for_the_same_prompt(vllm_fixture: di
     async with running_mocks(args) as mocks, aiohttp.ClientSession() as http:
         info, core = mocks[0]
         sink = SetSink()
-        sub = VllmEventSubscriber(info.kv_events_endpoint, info.instance_id, sink,
-                                  replay_endpoint=info.replay_endpoint, bind=False)
-        task = asyncio.create_task(sub.run())
-        try:
+        async with subscribed(info, sink) as sub:
             await asyncio.sleep(0.2)  # the SUB connects before the first batch, as in the recording
             _, usage = await _complete(http, info.http_url, {"prompt": req["prompt_token_ids"], "max_tokens": 4})
             assert usage["prompt_tokens"] == len(req["prompt_token_ids"])
             await wait_for(lambda: sub.stats.batches >= 1, what="first batch")
-        finally:
-            await sub.close()
-            task.cancel()
     payload = core.publisher._buffer[0][1]  # type: ignore[union-attr]
     ours = decode_payload(payload)
     assert ours.events == recorded.events
@@ -152,10 +161,7 @@ async def test_reset_prefix_cache_clears_the_engine_and_its_mirror() -> None:
     async with running_mocks(options(speed=20.0)) as mocks, aiohttp.ClientSession() as http:
         info, core = mocks[0]
         sink = SetSink()
-        sub = VllmEventSubscriber(info.kv_events_endpoint, info.instance_id, sink,
-                                  replay_endpoint=info.replay_endpoint, bind=False)
-        task = asyncio.create_task(sub.run())
-        try:
+        async with subscribed(info, sink):
             await asyncio.sleep(0.2)
             prompt = list(range(300, 300 + 200))
             await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
@@ -176,9 +182,6 @@ async def test_reset_prefix_cache_clears_the_engine_and_its_mirror() -> None:
             _, cold = await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
             assert cold["prompt_tokens_details"]["cached_tokens"] == 0
             await wait_for(lambda: sink.blocks == core.cached_block_hashes() != set(), what="mirror after reset")
-        finally:
-            await sub.close()
-            task.cancel()
     frames = [decode_payload(p) for _, p in core.publisher._buffer]  # type: ignore[union-attr]
     assert sum(type(e).__name__ == "AllBlocksCleared" for f in frames for e in f.events) == 1
 
