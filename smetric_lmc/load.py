@@ -33,6 +33,8 @@ class _InFlight(msgspec.Struct, gc=False):
 
 
 SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
+#: Queued entries a route looks at for expiry: more than the one it adds, so routing keeps up.
+EXPIRE_PER_ROUTE = 8
 
 
 class LoadTracker:
@@ -110,7 +112,7 @@ class LoadTracker:
         self._of.setdefault(instance_id, {})[request_id] = entry
         self._queued.setdefault(instance_id, {})[request_id] = entry
         if self._expire_s is not None:
-            self.expire()
+            self.expire(EXPIRE_PER_ROUTE)
             self._by_age.append(entry)
         self._count[instance_id] += 1
         self._set_total(instance_id, self._total[instance_id] + 1)
@@ -171,19 +173,27 @@ class LoadTracker:
         self._unprefilled[entry.instance] -= entry.unprefilled
         return True
 
-    def expire(self) -> int:
-        """Release entries older than ``expire_s``; O(1) amortized (each route is queued once)."""
+    def expire(self, budget: int = SLICE) -> int:
+        """Release entries older than ``expire_s``, looking at up to ``budget`` queued entries (a
+        slice of the loop: after an idle spell a whole burst's entries are due at once); O(1)
+        amortized (each route is queued once). Returns how many were released."""
         if self._expire_s is None:
             return 0
         cutoff = self._clock() - self._expire_s
         q, n = self._by_age, 0
-        while q and q[0].since < cutoff:
+        while q and budget > 0 and q[0].since < cutoff:
+            budget -= 1
             entry = q.popleft()
             if self._requests.get(entry.request_id) is entry:  # not done, not re-routed since
                 self._release(entry.request_id)
                 n += 1
         self.stats["expired"] += n
         return n
+
+    def expire_due(self) -> bool:
+        """Whether the oldest queued entry is past ``expire_s`` (:meth:`expire` has work)."""
+        return self._expire_s is not None and bool(self._by_age) and (
+            self._by_age[0].since < self._clock() - self._expire_s)
 
     def reconcile(
         self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,

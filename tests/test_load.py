@@ -180,3 +180,19 @@ def test_entries_expire_by_age_and_a_rerouted_id_only_once():
     assert lt.expire() == 0
     clock.t = 15.5
     assert lt.expire() == 2 and len(lt) == 0 and lt.loads(["a", "b"]) == [0, 0]
+
+
+def test_expiry_runs_in_slices_and_says_when_entries_are_due():
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=10.0)
+    for k in range(5_000):
+        lt.on_route(f"r{k}", "a", 10)
+    assert not lt.expire_due()
+    clock.t = 11.0  # an idle spell: every entry is due at once
+    assert lt.expire_due()
+    assert lt.expire(budget=2_048) == 2_048 and len(lt) == 2_952
+    lt.on_route("late", "a", 10)  # a route expires a few more, never the whole backlog
+    assert len(lt) == 2_952 + 1 - 8
+    while lt.expire_due():
+        lt.expire()
+    assert len(lt) == 1 and lt.loads(["a"]) == [1] and lt.stats["expired"] == 5_000
