@@ -15,8 +15,12 @@ Phases, in order:
    highest sustainable rate (``--rate``; 0 = half the closed-loop ceiling measured first, the
    headroom a shared machine needs to keep p99 low) for ``--soak-s`` with done reports, then
    ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``).
-   RSS growth and the worst loop stall cover phases 1-2; RSS is read after ``--settle-s`` idle
-   (the controller returns freed memory to the OS every 5 s, see controller/memory.py).
+   RSS growth and the worst loop stall cover phases 1-2. ``rss_growth_mb`` is what the soak
+   leaves behind: read once the requests of the without-done minute have expired (the config
+   holds each for ``load.lost_done_grace_s``, 30 s, by design: that state is bounded by rate x
+   grace, not a leak) and after ``--settle-s`` idle (the controller returns freed memory to the
+   OS every 5 s, see controller/memory.py). ``rss_growth_held_mb``, read right after the load
+   with those entries still held, is printed too, with their count.
 3. faults: ``bench/faults.py`` (stand-in engines, not vLLM; see its docstring): kill -9 of an
    engine under load (out / back times), kill -9 of the controller and a restart from its
    snapshot (first route time, index equal to the engine's truth); then a route socket with a
@@ -340,8 +344,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if not valid_after:
             unanswered += 1
         storm_loop = {k: round(v * 1000, 1) for k, v in lag.items()}
+        rss_storm = rss_mb()
         soak = await load_soak(app, args)
         unanswered += sum(r["unanswered"] for r in soak["phases"].values())
+        rss_held, held = rss_mb(), len(app.load)
+        grace = app.cfg.load.lost_done_grace_s or 0.0
+        give_up = time.perf_counter() + grace + 10.0
+        while len(app.load) and time.perf_counter() < give_up:  # the lost requests expire
+            await asyncio.sleep(0.5)
         await asyncio.sleep(args.settle_s)  # idle: the controller's periodic malloc_trim runs
         lag_task.cancel()
         rss1 = rss_mb()
@@ -359,7 +369,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "storm_loop_ms": storm_loop,
             "soak": soak,
             "loop_ms": {k: round(v * 1000, 1) for k, v in lag.items()},
-            "rss_mb": {"start": round(rss0, 1), "end": round(rss1, 1)},
+            "rss_mb": {"start": round(rss0, 1), "after_storm": round(rss_storm, 1), "held": round(rss_held, 1), "in_flight_held": held,
+                       "end": round(rss1, 1)},
             "gc_after": census,
             "service": dict(app.service.counters),
             "state_after": state,
@@ -382,6 +393,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_gc_pause_ms": round(lag.get("gc_max", 0.0) * 1000, 1),
                 "max_gc_pause_cpu_ms": round(lag.get("gc_max_cpu", 0.0) * 1000, 1),
                 "rss_growth_mb": round(rss1 - rss0, 1),
+                "rss_growth_held_mb": round(rss_held - rss0, 1),
                 "soak_routes_per_s": with_done["routes_per_s"],
                 "soak_p99_ms": with_done["p99_ms"],
             },

@@ -523,9 +523,13 @@ class ControllerApp:
     async def _maintain_loop(self) -> None:
         # Bulk changes leave work behind, done here a bounded slice (a few ms) at a time: rows a
         # clear emptied (AllBlocksCleared, a stale TTL; ingest also frees a slice per store) and
-        # in-flight entries of instances taken out of routing.
+        # in-flight entries of instances taken out of routing, and of requests never reported
+        # done (past load.lost_done_grace_s: routes expire them too, but an idle one must as well).
         while True:
             busy = False
+            if self.load.expire_due():
+                self.load.expire()
+                busy = True
             if self.index.needs_maintenance:
                 self.index.maintain()
                 busy = True

@@ -29,9 +29,12 @@ class _InFlight(msgspec.Struct, gc=False):
     unprefilled: int
     since: float
     prefilled: bool = False
+    request_id: str = ""  # for the age queue, which then holds entries alone (see ``_by_age``)
 
 
 SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
+#: Queued entries a route looks at for expiry: more than the one it adds, so routing keeps up.
+EXPIRE_PER_ROUTE = 8
 
 
 class LoadTracker:
@@ -41,7 +44,12 @@ class LoadTracker:
     def __init__(self, clock: Callable[[], float] = time.monotonic, expire_s: float | None = None) -> None:
         self._clock = clock
         self._expire_s = expire_s
-        self._by_age: deque[tuple[str, _InFlight]] = deque()  # routing order = age order
+        # Routing order = age order. Entries alone, never (id, entry) tuples: one tuple per route
+        # that lives ``expire_s`` and is freed by expiry as new ones are made keeps CPython's
+        # generation-0 count (allocations minus deallocations) from ever reaching its threshold,
+        # so the young generation grew to 100 k+ tuples and one gen-0 collection then stalled the
+        # loop for ~100 ms (bench/soak.py). Untracked objects (this struct, str) do not count.
+        self._by_age: deque[_InFlight] = deque()
         self._requests: dict[str, _InFlight] = {}
         # Per instance, in routing (= age) order: every entry, and those not yet prefilled. Healing
         # and prefill inference then touch the oldest few entries of one instance, not all of them
@@ -100,12 +108,12 @@ class LoadTracker:
             self._release(request_id)
         self.add_instance(instance_id)
         todo = max(0, prompt_tokens - hit_tokens)
-        entry = self._requests[request_id] = _InFlight(instance_id, todo, self._clock())
+        entry = self._requests[request_id] = _InFlight(instance_id, todo, self._clock(), False, request_id)
         self._of.setdefault(instance_id, {})[request_id] = entry
         self._queued.setdefault(instance_id, {})[request_id] = entry
         if self._expire_s is not None:
-            self.expire()
-            self._by_age.append((request_id, entry))
+            self.expire(EXPIRE_PER_ROUTE)
+            self._by_age.append(entry)
         self._count[instance_id] += 1
         self._set_total(instance_id, self._total[instance_id] + 1)
         self._unprefilled[instance_id] += todo
@@ -165,19 +173,27 @@ class LoadTracker:
         self._unprefilled[entry.instance] -= entry.unprefilled
         return True
 
-    def expire(self) -> int:
-        """Release entries older than ``expire_s``; O(1) amortized (each route is queued once)."""
+    def expire(self, budget: int = SLICE) -> int:
+        """Release entries older than ``expire_s``, looking at up to ``budget`` queued entries (a
+        slice of the loop: after an idle spell a whole burst's entries are due at once); O(1)
+        amortized (each route is queued once). Returns how many were released."""
         if self._expire_s is None:
             return 0
         cutoff = self._clock() - self._expire_s
         q, n = self._by_age, 0
-        while q and q[0][1].since < cutoff:
-            rid, entry = q.popleft()
-            if self._requests.get(rid) is entry:  # not done, not re-routed since
-                self._release(rid)
+        while q and budget > 0 and q[0].since < cutoff:
+            budget -= 1
+            entry = q.popleft()
+            if self._requests.get(entry.request_id) is entry:  # not done, not re-routed since
+                self._release(entry.request_id)
                 n += 1
         self.stats["expired"] += n
         return n
+
+    def expire_due(self) -> bool:
+        """Whether the oldest queued entry is past ``expire_s`` (:meth:`expire` has work)."""
+        return self._expire_s is not None and bool(self._by_age) and (
+            self._by_age[0].since < self._clock() - self._expire_s)
 
     def reconcile(
         self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,

@@ -594,3 +594,40 @@ def test_made_up_ids_keep_the_tree_linked(seed):
             ix.gpu_cleared(inst)
             held[inst] = []
         assert_linked(ix)
+
+
+def test_pending_expiry_churn_does_not_pile_up_young_gc_objects():
+    # The pending queue's per-route record, freed at its deadline as new routes come, must not be
+    # GC-tracked (see tests/test_load.py::test_expiry_churn_does_not_pile_up_young_gc_objects).
+    from test_load import young_after_churn
+
+    from smetric_lmc.index.side import Pending
+
+    p = Pending(ttl_s=5.0)
+    # 8,000 distinct prompts, each back after 8 s: most expire first (distinct prompts are the norm).
+    chains = [[k * 7 + 1, k * 7 + 2, k * 7 + 3] for k in range(8_000)]
+
+    def step(k):
+        now = k / 1000
+        p.expire(now)
+        p.add(0, chains[k % 8_000], now)
+
+    young = young_after_churn(step)
+    assert p.added == 20_000 and p.expired > 0
+    assert young < 2_000, f"{young} young GC objects: pending queue records are GC-tracked"
+
+
+def test_pending_expires_at_its_deadline_unless_refreshed():
+    from smetric_lmc.index.side import Pending
+
+    p = Pending(ttl_s=10.0)
+    p.add(0, [1, 2, 3], 0.0)
+    p.add(1, [1, 2, 3], 4.0)
+    assert p.next_deadline() == 10.0
+    p.expire(10.0)
+    assert p.credits([1, 2, 3, 4]) == [(1, 3)] and p.expired == 1
+    p.add(1, [1, 2, 3], 8.0)  # refreshed: its old record no longer expires it
+    p.expire(14.0)
+    assert p.credits([1, 2, 3]) == [(1, 3)] and p.expired == 1
+    p.expire(18.0)
+    assert not p and p.expired == 2 and p.next_deadline() == float("inf")

@@ -133,3 +133,66 @@ def test_a_reconcile_in_slices_ends_where_one_call_does():
     assert healed == total == 481 and calls == 8  # 481 / 64 entries a slice
     assert sliced.loads(["a"]) == one.loads(["a"]) == [20.0]
     assert sliced.unprefilled("a") == one.unprefilled("a") and sliced.stats == one.stats
+
+
+def young_after_churn(step) -> int:
+    """Objects in the cyclic GC's youngest generation after 20,000 steps of a route-and-expire
+    churn at CPython's default thresholds (each step makes one long-lived record and expiry frees
+    an old one)."""
+    import gc
+
+    old = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(700, 10, 10)
+    try:
+        for k in range(20_000):
+            step(k)
+        return len(gc.get_objects(0))
+    finally:
+        gc.set_threshold(*old)
+
+
+def test_expiry_churn_does_not_pile_up_young_gc_objects():
+    # A GC-tracked record per route, freed by expiry as new ones come, keeps the generation-0
+    # count (allocations minus deallocations) under its threshold: the young generation then
+    # grew to every record of the last ``expire_s`` and one collection stalled the loop ~100 ms.
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=5.0)
+
+    def step(k):
+        clock.t = k / 1000
+        lt.on_route(f"r{k}", "a", 256)
+        lt.on_done(f"r{k}")
+
+    young = young_after_churn(step)
+    assert lt.stats["routed"] == 20_000 and len(lt) == 0
+    assert young < 2_000, f"{young} young GC objects: expiry records are GC-tracked"
+
+
+def test_entries_expire_by_age_and_a_rerouted_id_only_once():
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=10.0)
+    lt.on_route("r1", "a", 10)
+    clock.t = 5.0
+    lt.on_route("r2", "a", 10)
+    lt.on_route("r1", "b", 10)  # re-routed: its first queue record is stale
+    clock.t = 12.0
+    assert lt.expire() == 0
+    clock.t = 15.5
+    assert lt.expire() == 2 and len(lt) == 0 and lt.loads(["a", "b"]) == [0, 0]
+
+
+def test_expiry_runs_in_slices_and_says_when_entries_are_due():
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=10.0)
+    for k in range(5_000):
+        lt.on_route(f"r{k}", "a", 10)
+    assert not lt.expire_due()
+    clock.t = 11.0  # an idle spell: every entry is due at once
+    assert lt.expire_due()
+    assert lt.expire(budget=2_048) == 2_048 and len(lt) == 2_952
+    lt.on_route("late", "a", 10)  # a route expires a few more, never the whole backlog
+    assert len(lt) == 2_952 + 1 - 8
+    while lt.expire_due():
+        lt.expire()
+    assert len(lt) == 1 and lt.loads(["a"]) == [1] and lt.stats["expired"] == 5_000

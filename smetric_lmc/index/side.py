@@ -14,6 +14,9 @@ def _anchor(length: int) -> int:
     return length & ~63 if length >= 64 else 1 << (length.bit_length() - 1)
 
 
+_LENGTH = (1 << 32) - 1  # the length's bits in ``Pending.meta``
+
+
 class Pending:
     """Prompts routed to an instance whose blocks its engine has not reported yet.
 
@@ -30,13 +33,19 @@ class Pending:
         # Only ints, floats and dicts of them, never a tuple holding a dict: none of it is tracked
         # by the cyclic GC (a busy controller holds one entry per routed prompt for ``ttl_s``).
         self.by_last: dict[int, dict[int, float]] = {}  # last -> {slot: deadline}
-        self.meta: dict[int, tuple[int, int]] = {}  # last -> (length, anchor hash)
+        # last -> anchor hash << 32 | length: one int, not a (length, anchor) tuple, which is
+        # GC-tracked when made (see ``queue``).
+        self.meta: dict[int, int] = {}
         # anchor block hash -> last hashes filed there. Inner dicts (values None), not sets: a dict
         # of ints is not tracked by the cyclic GC, a set always is, and a busy controller holds
         # one per routed prompt for ``ttl_s``: every full collection walked them all.
         self.by_anchor: dict[int, dict[int, None]] = {}
         self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
-        self.queue: deque[tuple[float, int, int]] = deque()
+        # Flat (deadline, slot, last, deadline, slot, last, ...), not a tuple per entry: tuples
+        # are GC-tracked when made, and one per route freed by expiry as new ones are made kept
+        # CPython's generation-0 count below its threshold while young tuples piled up (a
+        # ~100 ms gen-0 collection, see smetric_lmc/load.py). Floats and ints are untracked.
+        self.queue: deque[float | int] = deque()
         self.added = self.confirmed = self.expired = 0
 
     def __bool__(self) -> bool:
@@ -48,12 +57,12 @@ class Pending:
         if entry is None:
             pos = _anchor(len(chain))
             entry = self.by_last[last] = {}
-            self.meta[last] = (len(chain), chain[pos - 1])
+            self.meta[last] = chain[pos - 1] << 32 | len(chain)
             self.by_anchor.setdefault(chain[pos - 1], {})[last] = None
             self.anchors[pos] = self.anchors.get(pos, 0) + 1
         deadline = now + self.ttl_s
         entry[slot] = deadline
-        self.queue.append((deadline, slot, last))
+        self.queue.extend((deadline, slot, last))
         self.added += 1
 
     def _drop(self, last: int, slot: int) -> None:
@@ -62,7 +71,8 @@ class Pending:
         if slots:
             return
         del self.by_last[last]
-        length, anchor = self.meta.pop(last)
+        packed = self.meta.pop(last)
+        length, anchor = packed & _LENGTH, packed >> 32
         filed = self.by_anchor[anchor]
         filed.pop(last, None)
         if not filed:
@@ -83,15 +93,16 @@ class Pending:
 
     def expire(self, now: float) -> None:
         q = self.queue
-        while q and q[0][0] <= now:
-            deadline, slot, last = q.popleft()
+        pop = q.popleft
+        while q and q[0] <= now:
+            deadline, slot, last = pop(), pop(), pop()
             entry = self.by_last.get(last)
             if entry is not None and entry.get(slot) == deadline:
                 self._drop(last, slot)
                 self.expired += 1
 
     def next_deadline(self) -> float:
-        return self.queue[0][0] if self.queue else float("inf")
+        return float(self.queue[0]) if self.queue else float("inf")
 
     def drop_slot(self, slot: int) -> None:
         for last in [h for h, slots in self.by_last.items() if slot in slots]:
@@ -107,7 +118,7 @@ class Pending:
                 filed = by_anchor.get(chain[pos - 1])
                 if filed:
                     for last in filed:
-                        length = meta[last][0]
+                        length = meta[last] & _LENGTH
                         if length <= n and chain[length - 1] == last:
                             out.extend((slot, length) for slot in by_last[last])
         return out

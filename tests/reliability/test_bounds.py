@@ -285,6 +285,23 @@ async def test_events_per_batch_and_blocks_per_event_are_bounded() -> None:
 # ---- in-flight load -------------------------------------------------------------------------------
 
 
+async def test_an_idle_controller_expires_requests_never_reported_done() -> None:
+    from smetric_lmc.controller.app import ControllerApp
+
+    cfg = {"model": "m", "instances": [{"id": "a", "http": "http://127.0.0.1:9"}],
+           "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
+           "load": {"metrics_poll_s": 0, "instance_timeout_s": 0, "lost_done_grace_s": 0.3}}
+    app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
+    await app.start()
+    try:
+        for i in range(5000):  # then no more routes: only the maintain loop can expire them
+            app.load.on_route(f"lost-{i}", "a", 10)
+        await asyncio.sleep(1.0)
+        assert len(app.load) == 0 and app.load.stats["expired"] == 5000
+    finally:
+        await app.close()
+
+
 def test_in_flight_requests_expire_after_the_grace_period() -> None:
     now = [0.0]
     load = LoadTracker(clock=lambda: now[0], expire_s=30.0)
@@ -293,7 +310,9 @@ def test_in_flight_requests_expire_after_the_grace_period() -> None:
     load.on_route("done-early", "a", 10)
     load.on_done("done-early")
     now[0] = 31.0
-    load.on_route("fresh", "b", 10)  # expiry runs as requests are routed, O(expired)
+    load.on_route("fresh", "b", 10)  # a route expires a few due entries (bounded work per route)
+    assert load.stats["expired"] == 8 and load.expire_due()
+    assert load.expire() == 992  # the controller's maintain loop: the rest, a slice at a time
     assert len(load) == 1 and load.in_flight("a") == 0 and load.unprefilled("a") == 0
     assert load.stats["expired"] == 1000 and load.instance_of("fresh") == "b"
     # A re-routed request is timed from its last route.
