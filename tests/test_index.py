@@ -291,6 +291,22 @@ class Naive:
         self.fresh: dict[str, set[int]] = {}
         self.waiting: dict[str, list[tuple[int, list[int]]]] = {}
         self.pending: dict[str, dict[int, float]] = {}  # inst -> last block -> deadline
+        self.stale_until: dict[str, float] = {}  # inst -> when its stale entries are dropped
+
+    def mark_stale(self, inst, now, ttl_s):
+        self.fresh[inst] = set()
+        self.stale_until[inst] = now + ttl_s
+
+    def tick(self, now):
+        """Stale entries not stored again since their instance was marked are dropped at the deadline."""
+        for i, d in list(self.stale_until.items()):
+            if d <= now:
+                self.held[i] = set(self.fresh.get(i, set()))
+                del self.stale_until[i]
+
+    def clear(self, inst):
+        self.held[inst], self.fresh[inst], self.waiting[inst], self.pending[inst] = set(), set(), [], {}
+        self.stale_until.pop(inst, None)
 
     def store(self, inst, seg, now):
         held = self.held.setdefault(inst, set())
@@ -372,7 +388,6 @@ def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
     for i in insts:
         ix.register_instance(i)
     nodes = list(parent)
-    stale_deadline: dict[str, float] = {}
     for _ in range(n_ops):
         inst = rng.choice(insts)
         node = rng.choice(nodes)
@@ -388,19 +403,13 @@ def test_lookup_matches_naive_model(seed, n_nodes, n_inst, n_ops):
             naive.remove(inst, node)
         elif op < 0.78:
             ix.mark_stale(inst)
-            naive.fresh[inst] = set()
-            stale_deadline[inst] = clock[0] + 10
+            naive.mark_stale(inst, clock[0], 10)
         elif op < 0.85:
             clock[0] += rng.choice([1, 4, 6, 11])
-            for i, d in list(stale_deadline.items()):
-                if d <= clock[0]:  # stale entries not stored again are dropped
-                    naive.held[i] = set(naive.fresh.get(i, set()))
-                    del stale_deadline[i]
+            naive.tick(clock[0])
         elif op < 0.88:
             ix.gpu_cleared(inst)
-            naive.held[inst], naive.fresh[inst], naive.waiting[inst] = set(), set(), []
-            naive.pending[inst] = {}
-            stale_deadline.pop(inst, None)
+            naive.clear(inst)
         else:
             p = path_to(parent, node)
             if ix.add_pending(inst, p):

@@ -79,7 +79,6 @@ def test_vllm_ingest_matches_naive_model(seed, n_nodes, n_inst, n_ops):
         return (node * 0x9E3779B97F4A7C15 + (0xABCDEF if own[inst] else 0)) & ((1 << 64) - 1) or 1
 
     ours = {n: fast_chain(tokens_of(parent, n), BS)[-1] for n in parent}
-    stale_deadline: dict[str, float] = {}
     nodes = list(parent)
     for _ in range(n_ops):
         inst = rng.choice(insts)
@@ -107,19 +106,14 @@ def test_vllm_ingest_matches_naive_model(seed, n_nodes, n_inst, n_ops):
                 naive.remove(inst, x)
         elif op < 0.87:
             ix.mark_stale(inst)
-            naive.fresh[inst] = set()
-            stale_deadline[inst] = clock[0] + 10
+            naive.mark_stale(inst, clock[0], 10)
         elif op < 0.94:
             clock[0] += rng.choice([1, 6, 11])
-            for i, d in list(stale_deadline.items()):
-                if d <= clock[0]:
-                    naive.held[i] = set(naive.fresh.get(i, set()))
-                    del stale_deadline[i]
+            naive.tick(clock[0])
             ix.expire()
         else:
             ix.gpu_cleared(inst)
-            naive.held[inst], naive.fresh[inst], naive.waiting[inst] = set(), set(), []
-            stale_deadline.pop(inst, None)
+            naive.clear(inst)
         check_tree(ix)
         q = path_to(parent, rng.choice(nodes))
         found = ix.lookup([ours[x] for x in q])

@@ -13,9 +13,10 @@ same tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -92,18 +93,12 @@ class _MockInstance(Instance):
         self.core._removed(chain[s:e])
 
     def _prefill_done(self, r: SimRequest, t: float) -> None:
-        self.core._completing = r
-        try:
+        with self.core.completing(r):
             super()._prefill_done(r, t)
-        finally:
-            self.core._completing = None
 
     def _keep_generated(self, r: SimRequest, t: float) -> None:
-        self.core._completing = r
-        try:
+        with self.core.completing(r):
             super()._keep_generated(r, t)
-        finally:
-            self.core._completing = None
 
 
 class MockEngineCore:
@@ -268,6 +263,15 @@ class MockEngineCore:
             h.chain = np.concatenate([h.chain, ext])
             h.last_digest = more[-1]
         return h.chain
+
+    @contextlib.contextmanager
+    def completing(self, r: SimRequest) -> Iterator[None]:
+        """Blocks the engine model stores meanwhile belong to ``r`` (its prompt or its output)."""
+        self._completing = r
+        try:
+            yield
+        finally:
+            self._completing = None
 
     def _stored(self, hashes: list[int], parent: int | None) -> None:
         r = self._completing

@@ -5,8 +5,10 @@ measured by ``bench/soak.py``; these tests check the behaviour that keeps them l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -30,20 +32,32 @@ def big_route(rid: str, n_tokens: int) -> bytes:
     return _enc({"type": "route", "request_id": rid, "token_ids": [7] * n_tokens})
 
 
+@contextlib.asynccontextmanager
+async def serving(core: object, n_clients: int = 1) -> AsyncIterator[tuple[RouteService, list[zmq.asyncio.Socket]]]:
+    """A running route service on loopback and ``n_clients`` DEALER sockets connected to it."""
+    svc = RouteService(core, "tcp://127.0.0.1:*")  # type: ignore[arg-type]
+    svc.bind()
+    ctx = zmq.asyncio.Context()
+    task = asyncio.create_task(svc.run())
+    socks = [ctx.socket(zmq.DEALER) for _ in range(n_clients)]
+    for sock in socks:
+        sock.connect(svc.endpoint or "")
+    try:
+        yield svc, socks
+    finally:
+        await svc.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.destroy(linger=0)
+
+
 async def test_small_route_is_not_held_behind_a_large_one() -> None:
     # A 1 M-token route (4 MB) costs ~100 ms to decode and hash; prepared in the worker, a small
     # route sent right after it by another client is answered first. On the loop (in order) the
     # large one would always come back first.
     core = make_core()
     seed(core, "i1", PROMPT)
-    svc = RouteService(core, "tcp://127.0.0.1:*")
-    svc.bind()
-    ctx = zmq.asyncio.Context()
-    task = asyncio.create_task(svc.run())
-    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (big, small):
-        s.connect(svc.endpoint or "")
-    try:
+    async with serving(core, 2) as (svc, (big, small)):
         # Warm the worker (spawn start-up) so the race below is between preparing and routing.
         await big.send_multipart([b"", big_route("warm", 300_000)])
         assert isinstance(decode_reply((await asyncio.wait_for(big.recv_multipart(), 30))[-1]), RouteDecision)
@@ -60,11 +74,6 @@ async def test_small_route_is_not_held_behind_a_large_one() -> None:
         assert order == ["small", "big"]
         assert svc.counters["offloaded"] == 2
         assert core.load.instance_of("big") is not None  # routed and counted like any other
-    finally:
-        await svc.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("want_chunks", [False, True])
@@ -94,14 +103,8 @@ def test_worker_prepares_what_the_loop_would(want_chunks: bool) -> None:
 async def test_offloaded_lora_route_hashes_under_the_adapter_root() -> None:
     core = make_core()
     core.index.register_adapter("my-lora")
-    svc = RouteService(core, "tcp://127.0.0.1:*")
-    svc.bind()
-    task = asyncio.create_task(svc.run())
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(svc.endpoint or "")
     tokens = list(range(100_000))  # over OFFLOAD_BYTES once encoded
-    try:
+    async with serving(core) as (svc, (sock,)):
         frame = _enc({"type": "route", "request_id": "l", "model": "my-lora", "token_ids": tokens})
         assert len(frame) > RouteService.OFFLOAD_BYTES
         await sock.send_multipart([b"", frame])
@@ -121,11 +124,6 @@ async def test_offloaded_lora_route_hashes_under_the_adapter_root() -> None:
         expect = core.route_inputs(RouteRequest(request_id="x", model="my-lora", token_ids=tokens))[0]
         assert seen == [expect]
         assert expect != core.route_inputs(RouteRequest(request_id="x", token_ids=tokens))[0]
-    finally:
-        await svc.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        ctx.destroy(linger=0)
 
 
 async def test_a_wake_up_yields_after_its_payload_budget() -> None:
@@ -184,19 +182,9 @@ def test_oversize_frame_still_refused_before_any_worker() -> None:
 
 def _serve_in_daemon(conn: object) -> None:
     async def go() -> tuple[int, int, bool]:
-        core = make_core()
-        svc = RouteService(core, "tcp://127.0.0.1:*")
-        svc.bind()
-        task = asyncio.create_task(svc.run())
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(svc.endpoint or "")
-        await sock.send_multipart([b"", big_route("d", 300_000)])
-        reply = decode_reply((await asyncio.wait_for(sock.recv_multipart(), 30))[-1])
-        await svc.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        ctx.destroy(linger=0)
+        async with serving(make_core()) as (svc, (sock,)):
+            await sock.send_multipart([b"", big_route("d", 300_000)])
+            reply = decode_reply((await asyncio.wait_for(sock.recv_multipart(), 30))[-1])
         return svc.counters["offloaded"], svc.counters["large_on_loop"], isinstance(reply, RouteDecision)
 
     conn.send(asyncio.run(go()))  # type: ignore[attr-defined]
