@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--max-think-s", type=float, default=60.0)
     ap.add_argument("--policies", default="smetric,load_balance")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="real engines: replays of each policy, in a balanced order (ABC, then CBA)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="smetric-validate-"))
@@ -84,7 +86,7 @@ def main() -> int:
         if why:
             print(f"real-engine validation skipped: {why}")
         else:
-            out.update(validate_real(work / "real"))
+            out.update(validate_real(work / "real", repeats=args.repeats))
     wl = scale_workload(synthetic(args.sessions, seed=0), args.context_scale)
     prof = with_kv_tokens(load_profile(), args.kv_tokens)
     pols = args.policies.split(",")

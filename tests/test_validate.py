@@ -14,16 +14,18 @@ import pytest
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
 from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
+from smetric_lmc.replay.ranking import live_noise, rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.validate import (
+    Contention,
     RequestPath,
     decode_s_per_token,
+    fit_contention,
     fit_under_load,
+    inflight_on_instance,
     measure_path,
-    rank_fields,
-    rank_pairs,
     slowed,
     small_workload,
-    spread,
+    summarize_repeats,
     with_turnaround,
 )
 from smetric_lmc.sim.profile import load_profile
@@ -123,32 +125,110 @@ def test_fit_under_load_recovers_a_known_slowdown_and_path() -> None:
     assert decode_s_per_token(fit.sim) == pytest.approx(decode_s_per_token(truth), rel=0.03)
 
 
+def _idle_cpu_profile():
+    return with_kv_tokens(load_profile().with_overrides(
+        total_params=1.38e6, active_params=1.38e6, bytes_per_param=4.0, layers=2, q_heads=2, kv_heads=2, head_dim=64,
+        kv_bytes_per_elem=4.0, max_model_len=2048, peak_flops=2.1e11, hbm_bw=3.7e9, compute_eff=1.0, mem_eff=1.0,
+        tp=1, tp_eff=1.0, iter_overhead_s=0.0034, max_num_seqs=128, max_num_batched_tokens=2048), 524288)
+
+
+def test_contention_fit_recovers_a_path_that_grows_with_requests_in_flight() -> None:
+    """A stand-in live run: the simulator's own requests, each first token later by 10 ms + 12 ms per
+    other request in flight on its engine (an API server sharing the engine's core). The fit on the
+    per-request differences gets both back; a path that does not depend on load gives slope 0."""
+    wl = small_workload(16, 8, 0.03, 0.03, seed=1)
+    sim = simulate_like(with_turnaround(wl, 0.02, 0.0), slowed(_idle_cpu_profile(), 6.0), "load_balance", 2, 8.0, 1,
+                        1e9)
+    k = inflight_on_instance(sim)
+    assert k.max() >= 2  # the workload does overlap on an engine
+    cols = dict(sim.cols)
+    cols["first_token"] = sim.cols["first_token"] + 0.010 + 0.012 * k
+    live = dataclasses.replace(sim, cols=cols)
+    got = fit_contention(live, sim, pre=0.02)
+    assert got.base == pytest.approx(0.010, abs=1e-6) and got.per_inflight == pytest.approx(0.012, abs=1e-6)
+    assert np.allclose(got.ttft(sim), cols["first_token"] - cols["arrival"], equal_nan=True)
+    flat = dataclasses.replace(sim, cols={**sim.cols, "first_token": sim.cols["first_token"] + 0.03})
+    assert fit_contention(flat, sim, pre=0.03) == Contention(pytest.approx(0.03), 0.0)
+
+
+def test_run_order_is_balanced_so_a_linear_drift_weighs_on_every_policy_alike() -> None:
+    order = run_order(("smetric", "load_balance", "round_robin"), 2)
+    assert [p for p, _ in order] == ["smetric", "load_balance", "round_robin", "round_robin", "load_balance",
+                                     "smetric"]
+    assert [r for _, r in order] == [0, 0, 0, 1, 1, 1]
+    # Throughput falling linearly over the run (the engines slowing down): equal means per policy.
+    drift = {p: [] for p, _ in order}
+    for slot, (p, _) in enumerate(order):
+        drift[p].append(1000.0 - 50.0 * slot)
+    assert len({np.mean(v) for v in drift.values()}) == 1
+    assert run_order(("a", "b"), 1) == [("a", 0), ("b", 0)]
+    with pytest.raises(ValueError):
+        run_order(("a", "a"), 2)
+    with pytest.raises(ValueError):
+        run_order(("a", "b"), 0)
+
+
 def _rows(**tputs: tuple[float, float]) -> list[dict]:
     return [{"policy": k, "tput_live": live, "tput_sim": sim} for k, (live, sim) in tputs.items()]
 
 
-def test_ranking_counts_pairs_inside_the_measured_noise_as_ties_and_judges_the_rest() -> None:
-    """Three calibration replays of one workload spread 10% (noise); smetric and load_balance 5% apart
-    live are a tie whichever order the simulator gives them; a pair 20% apart must keep its order."""
-    noise = spread([900.0, 1000.0, 1000.0])
-    assert noise == pytest.approx(0.1)
+def test_ranking_counts_pairs_inside_the_live_noise_as_ties_and_judges_the_rest() -> None:
+    """The noise is the largest spread of one policy's repeats (10% here); smetric and load_balance 5%
+    apart live are a tie whichever order a mild simulator gives them; a pair 20% apart must keep its
+    order."""
+    noise = live_noise({"smetric": [1000.0, 1100.0], "load_balance": [1000.0, 1000.0]})
+    assert noise == pytest.approx(100 / 1050)
+    noise = 0.1
     rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 880.0))
     verdicts = {(p.a, p.b): p.verdict for p in rank_pairs(rows, noise)}
     assert verdicts == {("smetric", "load_balance"): "tie", ("smetric", "round_robin"): "agree",
                         ("load_balance", "round_robin"): "agree"}
     got = rank_fields(rows, noise)
     assert got["rank_agree"] is True and got["rank_ties"] == ["smetric~load_balance"]
-    assert got["rank_pairs_separated"] == 2 and got["rank_noise_rel"] == 0.1
+    assert got["rank_pairs_separated"] == 2 and got["rank_noise_rel"] == 0.1 and got["rank_disagreements"] == []
     # The simulator swapping a separated pair is a disagreement, noise or not.
     swapped = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 1100.0))
     assert rank_fields(swapped, noise)["rank_agree"] is False
 
 
+def test_a_tie_the_simulator_orders_strongly_the_other_way_fails_the_ranking() -> None:
+    """Live 5% apart (a tie at 10% noise) while the simulator puts the pair 30% apart the other way:
+    the simulator claims a separation the engines do not show. 8% the other way is within the noise."""
+    strong = _rows(smetric=(1050.0, 800.0), load_balance=(1000.0, 1080.0), round_robin=(700.0, 600.0))
+    got = rank_fields(strong, 0.1)
+    assert got["rank_agree"] is False
+    assert got["rank_disagreements"] == ["smetric~load_balance:tie-contradicted"]
+    assert got["rank_ties"] == ["smetric~load_balance"]
+    mild = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1083.0), round_robin=(700.0, 600.0))
+    assert rank_fields(mild, 0.1)["rank_agree"] is True
+
+
 def test_ranking_without_measured_noise_is_plain_ordering_and_all_ties_agree_on_nothing() -> None:
     rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0))
-    assert spread([1000.0]) == 0.0  # one replay measures no noise
+    assert spread([1000.0]) == 0.0 and live_noise({"a": [1000.0]}) == 0.0  # one replay measures no noise
     assert rank_fields(rows, 0.0) == {"rank_agree": False, "rank_noise_rel": 0.0, "rank_pairs_separated": 1,
-                                      "rank_ties": []}
+                                      "rank_ties": [], "rank_disagreements": ["smetric~load_balance:disagree"]}
     # Every pair within the noise: nothing was separated, so there is no ranking to agree with.
     assert rank_fields(rows, 0.2)["rank_agree"] is False
     assert rank_fields(rows, 0.2)["rank_pairs_separated"] == 0
+
+
+def test_repeats_are_averaged_per_policy_and_their_spread_is_the_noise() -> None:
+    def slot(pol: str, rep: int, live: float, sim: float, ttft_live: float, ttft_sim: float) -> dict:
+        return {"policy": pol, "repeat": rep, "tput_live": live, "tput_sim": sim, "ttft_p50_live": ttft_live,
+                "ttft_p50_sim": ttft_sim, "ttft_p50_sim_const": ttft_sim * 1.5, "hit_live": 0.8, "hit_sim": 0.82,
+                "sticky_live": 1.0, "sticky_sim": 1.0}
+
+    slots = [slot("a", 0, 1000, 1100, 0.05, 0.05), slot("b", 0, 800, 800, 0.05, 0.06),
+             slot("b", 1, 700, 720, 0.05, 0.04), slot("a", 1, 900, 800, 0.05, 0.05)]
+    rows, f = summarize_repeats(slots, ["a", "b"])
+    assert [r["policy"] for r in rows] == ["a", "b"] and rows[0]["tput_live"] == 950 and rows[0]["tput_sim"] == 950
+    assert f["repeats"] == 2 and f["tput_live_by_repeat"] == {"a": [1000, 900], "b": [800, 700]}
+    assert f["tput_rel_err_max"] == pytest.approx(abs(760 / 750 - 1), abs=1e-4)
+    assert f["tput_rel_err_max_repeat"] == pytest.approx(0.1111, abs=1e-4)  # a #1: 800 against 900
+    assert f["ttft_p50_rel_err_max"] == 0.0 and f["ttft_p50_rel_err_max_repeat"] == pytest.approx(0.2)
+    assert f["ttft_p50_rel_err_max_const_path"] == pytest.approx(0.5)
+    assert f["rank_noise_rel"] == pytest.approx(100 / 750, abs=1e-4)  # b's repeats spread most
+    assert f["rank_pairs_separated"] == 1 and f["rank_agree"] is True  # a 950 vs b 750: 23.5% apart
+    with pytest.raises(ValueError, match="no replay of policy c"):
+        summarize_repeats(slots, ["a", "b", "c"])

@@ -55,6 +55,7 @@ class Calibration:
     api_overhead_s: float
     residuals: dict[str, list[float]] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    at_bound: list[str] = field(default_factory=list)  # fitted parameters clamped to FIT_BOUNDS
 
     def report(self) -> str:
         p = self.profile
@@ -68,6 +69,8 @@ class Calibration:
             r = np.asarray(res)
             lines.append(f"{kind} residuals (measured/model - 1): median {np.median(r):+.1%}, "
                          f"max |.| {np.max(np.abs(r)):.1%} over {len(r)} points")
+        for name in self.at_bound:
+            lines.append(f"WARNING: {name} hit its bound {FIT_BOUNDS[name]}: the probes do not determine it")
         return "\n".join(lines)
 
 
@@ -238,6 +241,22 @@ def robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return slope, float(np.median(y - slope * x))
 
 
+# What a fit may return (compute FLOP/s, memory B/s, iteration overhead s): a parameter the probes do
+# not determine (a tiny model's decode steps are all overhead, so their time does not grow with the
+# bytes read) would otherwise run off to a meaningless value (a memory bandwidth of 1e18 B/s). The
+# range spans a laptop CPU to the fastest accelerators; a value at a bound is clamped and reported.
+FIT_BOUNDS: dict[str, tuple[float, float]] = {"compute": (1e8, 1e16), "memory": (1e9, 2e13),
+                                              "overhead": (1e-5, 1.0)}
+
+
+def _bounded(name: str, value: float, hit: list[str]) -> float:
+    lo, hi = FIT_BOUNDS[name]
+    if not np.isfinite(value) or value < lo or value > hi:
+        hit.append(name)
+        return float(hi if not np.isfinite(value) or value > hi else lo)
+    return float(value)
+
+
 def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_seqs: int,
         max_num_batched_tokens: int, name: str) -> Calibration:
     """Least-squares fit of the profile's iteration model to the samples."""
@@ -250,7 +269,8 @@ def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_s
         s.new_tokens * s.context + s.new_tokens * (s.new_tokens + 1) // 2) for s in pre])
     t = np.array([s.seconds for s in pre])
     slope, intercept = robust_line(flops, t)
-    peak = 1.0 / max(slope, 1e-30)
+    hit: list[str] = []
+    peak = _bounded("compute", 1.0 / slope if slope > 0 else float("inf"), hit)
     mem = np.array([p0.weight_bytes_read + p0.kv_bytes_per_token * (s.context + s.new_tokens) for s in dec])
     comp = np.array([p0.flops_per_token * s.new_tokens + p0.attn_flops_per_pair * s.context for s in dec]) / peak
     td = np.array([s.seconds for s in dec])
@@ -266,8 +286,8 @@ def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_s
             m_slope, overhead = 0.0, float(np.median(td - comp))
             break
         mask = mem * m_slope >= comp
-    overhead = max(overhead, 1e-5)
-    bw = 1.0 / m_slope if m_slope > 0 else 1e18  # flat: decode is all overhead, memory never binds
+    overhead = _bounded("overhead", overhead, hit)
+    bw = _bounded("memory", 1.0 / m_slope if m_slope > 0 else float("inf"), hit)
     api = max(0.0, float(intercept) - overhead)
     prof = p0.with_overrides(
         name=name, peak_flops=float(peak), hbm_bw=float(bw), iter_overhead_s=overhead,
@@ -276,7 +296,11 @@ def fit(base: Profile, info: dict[str, Any], samples: list[Sample], *, max_num_s
     prof = with_kv_tokens(prof, info["num_gpu_blocks"] * info["block_size"]).with_overrides(name=name)
     res_pre = [(s.seconds - api) / prof.iteration_time([(s.new_tokens, s.context)], 0, 0) - 1 for s in pre]
     res_dec = [s.seconds / prof.iteration_time([], s.new_tokens, s.context) - 1 for s in dec]
-    return Calibration(prof, samples, api, {"prefill": res_pre, "decode": res_dec}, info)
+    cal = Calibration(prof, samples, api, {"prefill": res_pre, "decode": res_dec}, info, hit)
+    if hit:
+        log.warning("calibration fit: %s at its bound (%s); the probes do not determine it. %s", ", ".join(hit),
+                    ", ".join(f"{n} {FIT_BOUNDS[n]}" for n in hit), cal.report())
+    return cal
 
 
 def calibrate(url: str, out: Path, *, base: str | Path | None = None, model_dir: Path | None = None,

@@ -120,6 +120,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="calibrate: the engine's --max-num-batched-tokens (default: as --max-num-seqs)")
     g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
+    g.add_argument("--repeats", type=int, default=2,
+                   help="validate: replays of each policy, in a balanced order (forward, then reversed)")
 
 
 def run_calibration_action(args: argparse.Namespace) -> int:
@@ -145,6 +147,7 @@ def run_calibration_action(args: argparse.Namespace) -> int:
     from smetric_lmc.replay.validate import DEFAULT_POLICIES
 
     policies = tuple(args.policies.split(",")) if args.policies else DEFAULT_POLICIES
-    out = validate_real(Path(args.out or "validate-out"), engines=args.engines, policies=policies)
+    out = validate_real(Path(args.out or "validate-out"), engines=args.engines, policies=policies,
+                       repeats=args.repeats)
     print(json.dumps(out))
     return 0

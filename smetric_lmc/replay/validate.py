@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.replay.calibrate import Calibration, calibrate
+from smetric_lmc.replay.calibrate import Calibration, calibrate, robust_line
 from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up, write_profile
 from smetric_lmc.replay.prompts import scale_workload
+from smetric_lmc.replay.ranking import live_noise, pairs_table, rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.runner import ReplayConfig, replay
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.sim.metrics import SimResult
@@ -55,19 +56,49 @@ class RequestPath:
 
 
 @dataclass
+class Contention:
+    """The request path before the first token as it grows with the requests already in flight on the
+    serving engine: ``base + per_inflight * k`` (seconds). On a CPU engine the API server, which streams
+    every in-flight request's tokens, shares a core with the engine's iterations, so a request arriving
+    behind ``k`` others waits longer for its first token than the iterations alone explain."""
+
+    base: float
+    per_inflight: float
+
+    def ttft(self, res: SimResult) -> np.ndarray:
+        """Simulated TTFT per request: the engine's, plus the path at the simulated concurrency."""
+        c = res.cols
+        return c["first_token"] - c["arrival"] + self.base + self.per_inflight * inflight_on_instance(res)
+
+
+def inflight_on_instance(res: SimResult) -> np.ndarray:
+    """For each request, how many others were in flight on its instance when it arrived."""
+    c = res.cols
+    a, f, ins = c["arrival"], c["finish"], c["instance"]
+    with np.errstate(invalid="ignore"):
+        busy = (a[None, :] <= a[:, None]) & (f[None, :] > a[:, None]) & (ins[None, :] == ins[:, None])
+    return np.maximum(busy.sum(axis=1) - 1, 0)
+
+
+@dataclass
 class RealPoint:
     policy: str
+    repeat: int
     live: SimResult
     sim: SimResult
     path: RequestPath
+    contention: Contention
     conditions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         ls, ss = self.live.summary, self.sim.summary
-        return {"policy": self.policy, "tput_live": run_tps(self.live),
+        return {"policy": self.policy, "repeat": self.repeat, "tput_live": run_tps(self.live),
                 "tput_sim": run_tps(self.sim, tail_s=self.path.post),
-                "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": ss["ttft_p50"] + self.path.pre,
-                "path_pre_s": self.path.pre, "path_post_s": self.path.post, **self.conditions,
+                "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": float(np.nanmedian(self.contention.ttft(self.sim))),
+                "ttft_p50_sim_const": ss["ttft_p50"] + self.path.pre,
+                "path_pre_s": self.path.pre, "path_post_s": self.path.post,
+                "path_base_s": self.contention.base, "path_per_inflight_s": self.contention.per_inflight,
+                **self.conditions,
                 "hit_live": ls["hit_local"], "hit_sim": ss["hit_local"],
                 "sticky_live": ls["stickiness"], "sticky_sim": ss["stickiness"],
                 "reasons_live": reason_shares(ls), "reasons_sim": reason_shares(ss)}
@@ -128,6 +159,7 @@ class LoadedFit:
     pre: float  # request path before the first token, under the replay's concurrency (s)
     live: SimResult
     sim: SimResult
+    contention: Contention  # the same path as it grows with the requests in flight on the engine
 
 
 def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: RequestPath, policy: str,
@@ -162,7 +194,34 @@ def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: Re
             lo, hi = (mid, hi) if decode_s_per_token(run(float(np.exp(mid)), pre)) < d_live else (lo, mid)
         factor = float(np.exp((lo + hi) / 2))
         pre = max(0.0, ttft_live - float(run(factor, pre).summary["ttft_p50"]))
-    return LoadedFit(slowed(profile, factor), factor, pre, live, run(factor, pre))
+    sim = run(factor, pre)
+    return LoadedFit(slowed(profile, factor), factor, pre, live, sim, fit_contention(live, sim, pre))
+
+
+def fit_contention(live: SimResult, sim: SimResult, pre: float) -> Contention:
+    """The path before the first token against the requests in flight on the serving engine, from a
+    calibration replay and its simulation: per request, live TTFT minus the simulated engine's (the
+    same request: session, turn, length), a Theil-Sen line over the live in-flight count. Bounded to
+    a path that does not shrink with load; falls back to the constant ``pre`` with too few requests."""
+    def key(c: dict[str, np.ndarray], i: int) -> tuple[int, int, int]:
+        return int(c["session"][i]), int(c["turn"][i]), int(c["input"][i])
+
+    lc, sc = live.cols, sim.cols
+    at = {key(sc, i): i for i in range(len(sc["input"]))}
+    pairs = [(i, at[key(lc, i)]) for i in range(len(lc["input"])) if key(lc, i) in at]
+    li = np.array([p[0] for p in pairs], dtype=np.int64)
+    si = np.array([p[1] for p in pairs], dtype=np.int64)
+    if len(pairs) < 8:
+        return Contention(pre, 0.0)
+    resid = (lc["first_token"] - lc["arrival"])[li] - (sc["first_token"] - sc["arrival"])[si]
+    k = inflight_on_instance(live)[li].astype(float)
+    ok = np.isfinite(resid)
+    if ok.sum() < 8 or np.ptp(k[ok]) == 0:
+        return Contention(pre, 0.0)
+    slope, base = robust_line(k[ok], resid[ok])
+    if slope < 0:  # a path that shortens under load is noise: keep the constant
+        return Contention(pre, 0.0)
+    return Contention(max(0.0, base), slope)
 
 
 def measure_path(gateway: str, cal: Calibration, n: int = 9) -> RequestPath:
@@ -234,12 +293,18 @@ def _cpu_seconds(pgids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def _reset_caches(engines: list[Any]) -> None:
-    """Empty every engine's prefix cache, and make sure the controller has heard about it: vLLM queues
-    ``AllBlocksCleared`` and publishes it with its next step, so an idle engine is given one tiny
-    request (shorter than a block: it stores nothing)."""
+def _reset_caches(engines: list[Any], timeout_s: float = 30.0) -> None:
+    """Empty every engine's prefix cache, and make sure the controller has heard about it. vLLM refuses
+    (``success: false``) while a request still holds blocks (one the previous replay's client gave up
+    on), so it is retried until the engine is idle. vLLM queues ``AllBlocksCleared`` and publishes it
+    with its next step, so an idle engine is then given one tiny request (shorter than a block: it
+    stores nothing)."""
     for e in engines:
-        _post(f"{e.http_url}/reset_prefix_cache")
+        deadline = time.monotonic() + timeout_s
+        while not json.loads(_post(f"{e.http_url}/reset_prefix_cache") or b"{}").get("success", False):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{e.http_url} refused to reset its prefix cache for {timeout_s:.0f} s")
+            time.sleep(0.2)
     for e in engines:
         body = json.dumps({"model": e.model, "prompt": [5, 6, 7], "max_tokens": 1}).encode()
         req = urllib.request.Request(f"{e.http_url}/v1/completions", data=body,
@@ -259,9 +324,9 @@ def real_available() -> str | None:
     return None
 
 
-def _post(url: str) -> None:
+def _post(url: str) -> bytes:
     with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=30) as r:
-        r.read()
+        return r.read()
 
 
 def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url: str) -> None:
@@ -288,7 +353,7 @@ CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as mo
 def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
                   sessions: int = 16, turns: int = 8, context_scale: float = 0.04, output_scale: float = 0.03,
                   rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0, pin: bool = True,
-                  max_model_len: int = 4096, num_gpu_blocks: int | None = 320) -> dict[str, Any]:
+                  max_model_len: int = 4096, num_gpu_blocks: int | None = 320, repeats: int = 2) -> dict[str, Any]:
     """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
 
     The default workload: closed loop without think time, short outputs, sessions starting at ``rate``
@@ -296,7 +361,10 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     The default engines hold ``num_gpu_blocks`` blocks of 32 tokens (vLLM's
     ``--num-gpu-blocks-override``; the calibration reads it back from ``/metrics``), so a policy that
     spreads a session's turns over both engines stores its context twice and evicts, and contexts up
-    to ``max_model_len`` make the prefill it then repeats cost more than the request path."""
+    to ``max_model_len`` make the prefill it then repeats cost more than the request path.
+
+    Every policy runs ``repeats`` times in a balanced order (``ranking.run_order``: forward, then
+    reversed), each run with its own calibration replay just before it."""
     from smetric_lmc.workers import launch, up
 
     work.mkdir(parents=True, exist_ok=True)
@@ -328,120 +396,128 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         cal_wl = small_workload(sessions, turns, context_scale, output_scale, seed + 1)
         points: list[RealPoint] = []
         cal_tps: list[float] = []  # the calibration replays: same workload, policy and knobs each time
-        for pol in policies:
-            # Calibration replay just before (the machine's load drifts within a minute): another
-            # workload (other sessions, other placement), the same knobs, a neutral policy.
-            _set_policy(config_path, data, CALIBRATION_POLICY, route_url)
-            _reset_caches(running)
-            idle = measure_path(gateway, cal)
-            cal_records = replay(cal_wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed + 1,
-                                                      records=work / f"calibration-before-{pol}.jsonl"))
-            loaded = fit_under_load(cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY), cal.profile,
-                                    idle, CALIBRATION_POLICY, engines, rate, seed + 1, max_think_s)
-            write_profile(loaded.profile, work / f"calibrated-under-load-{pol}.yaml")
-            cal_tps.append(run_tps(loaded.live))
-            path = RequestPath(loaded.pre, idle.post)
-            print(f"{pol}: calibration replay: decode {decode_s_per_token(loaded.live) * 1e3:.2f} ms/token live "
-                  f"({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
-                  f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token "
-                  f"{loaded.pre * 1e3:.1f} ms ({idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last",
-                  flush=True)
-            _set_policy(config_path, data, pol, route_url)
-            _reset_caches(running)
-            cpu0, load0, t0 = _cpu_seconds(pgids), os.getloadavg()[0], time.monotonic()
-            records = replay(wl, ReplayConfig(url=gateway, rate=rate, max_think_s=max_think_s, seed=seed,
-                                              records=work / f"{pol}.jsonl"))
-            wall = time.monotonic() - t0
-            cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(pgids).items()}
-            live = summarize_records(records, policy=pol)
-            sim = simulate_like(with_turnaround(wl, path.turnaround, max_think_s), loaded.profile, pol, engines,
-                                rate, seed, 1e9)
-            cond = {"idle_path_pre_s": idle.pre, "slowdown": loaded.slowdown, "replay_wall_s": round(wall, 2),
-                    "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "cpu_s": cpu}
-            points.append(RealPoint(pol, live, sim, path, cond))
-            print(f"{pol}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
-                  f"{live.summary['failed']} failed; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
-                  f"CPU seconds over {wall:.1f} s: {cpu}", flush=True)
+        slot = _Slot(running, gateway, config_path, data, route_url, cal, pgids, work, wl, cal_wl,
+                     dict(engines=engines, rate=rate, max_think_s=max_think_s, seed=seed))
+        for pol, rep in run_order(policies, repeats):
+            point, tps = slot.run(pol, rep)
+            points.append(point)
+            cal_tps.append(tps)
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=10.0)
         for e in running:
             e.process.stop()
-    rows = [p.row() for p in points]
-    (work / "validation.json").write_text(json.dumps(rows, default=float, indent=1))
+    slots = [p.row() for p in points]
+    (work / "validation.json").write_text(json.dumps(slots, default=float, indent=1))
+    print("every replay, in run order:")
+    print(table(slots))
+    print(conditions_table(slots))
+    print(f"calibration replays (the same workload and policy before every replay): "
+          f"{', '.join(f'{t:.0f}' for t in cal_tps)} tok/s live (spread {spread(cal_tps):.1%})")
+    rows, fields = summarize_repeats(slots, list(policies))
+    print(f"per policy, means over {repeats} repeat(s):")
     print(table(rows))
-    print(conditions_table(rows))
-    rank_live = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_live"])]
-    rank_sim = [r["policy"] for r in sorted(rows, key=lambda r: -r["tput_sim"])]
-    print(f"ranking by throughput: live {rank_live}, sim {rank_sim}")
-    noise = spread(cal_tps)
-    print(f"calibration replays (same workload and policy before each policy): "
-          f"{', '.join(f'{t:.0f}' for t in cal_tps)} tok/s live")
-    print(pairs_table(rank_pairs(rows, noise), noise))
-    return {
-        "engines": engines,
-        "policies": list(policies),
+    print(pairs_table(rank_pairs(rows, fields["rank_noise_rel"]), fields["rank_noise_rel"]))
+    return {"engines": engines, "policies": list(policies), **fields,
+            "calibration_spread_rel": round(spread(cal_tps), 4)}
+
+
+def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-policy rows (means over the policy's repeats) and the bench's fields: errors of the means,
+    the worst error of a single repeat (``*_repeat``), each policy's live throughputs per repeat and
+    their spread, and the ranking (``ranking.rank_fields``, noise = the largest spread of one policy's
+    repeats)."""
+    keys = ("tput_live", "tput_sim", "ttft_p50_live", "ttft_p50_sim", "ttft_p50_sim_const", "hit_live", "hit_sim",
+            "sticky_live", "sticky_sim")
+    rows, by_pol = [], {}
+    for pol in policies:
+        mine = [r for r in slots if r["policy"] == pol]
+        if not mine:
+            raise ValueError(f"no replay of policy {pol}")
+        rows.append({"policy": pol, **{k: float(np.nanmean([r[k] for r in mine])) for k in keys}})
+        by_pol[pol] = [r["tput_live"] for r in mine]
+
+    def err(rs: list[dict[str, Any]], sim: str, live: str) -> float:
+        return round(max(abs(r[sim] / r[live] - 1) for r in rs), 4)
+
+    noise = live_noise(by_pol)
+    return rows, {
+        "repeats": max(len(v) for v in by_pol.values()),
         "hit_abs_err_max": round(max(abs(r["hit_live"] - r["hit_sim"]) for r in rows), 4),
-        "tput_rel_err_max": round(max(abs(r["tput_sim"] / r["tput_live"] - 1) for r in rows), 4),
-        "ttft_p50_rel_err_max": round(max(abs(r["ttft_p50_sim"] / r["ttft_p50_live"] - 1) for r in rows), 4),
+        "tput_rel_err_max": err(rows, "tput_sim", "tput_live"),
+        "ttft_p50_rel_err_max": err(rows, "ttft_p50_sim", "ttft_p50_live"),
+        "tput_rel_err_max_repeat": err(slots, "tput_sim", "tput_live"),
+        "ttft_p50_rel_err_max_repeat": err(slots, "ttft_p50_sim", "ttft_p50_live"),
+        "ttft_p50_rel_err_max_const_path": err(rows, "ttft_p50_sim_const", "ttft_p50_live"),
+        "tput_live_by_repeat": {k: [round(x) for x in v] for k, v in by_pol.items()},
         **rank_fields(rows, noise),
     }
 
 
-def spread(values: list[float]) -> float:
-    """Run-to-run noise of repeated replays: (max - min) / median; 0 with fewer than two."""
-    if len(values) < 2:
-        return 0.0
-    return float((max(values) - min(values)) / np.median(values))
+class _Slot:
+    """One (policy, repeat) of the validation: caches cleared, a calibration replay fitted, caches
+    cleared again, the policy's replay, and its simulation with that fit: live and simulated see the
+    same engine state and the same minute of the machine's load."""
 
+    def __init__(self, running: list[Any], gateway: str, config_path: Path, data: dict[str, Any], route_url: str,
+                 cal: Calibration, pgids: dict[str, int], work: Path, wl: Workload, cal_wl: Workload,
+                 knobs: dict[str, Any]) -> None:
+        self.running, self.gateway, self.config_path, self.data = running, gateway, config_path, data
+        self.route_url, self.cal, self.pgids, self.work, self.wl, self.cal_wl = route_url, cal, pgids, work, wl, cal_wl
+        self.engines, self.rate = knobs["engines"], knobs["rate"]
+        self.max_think_s, self.seed = knobs["max_think_s"], knobs["seed"]
 
-@dataclass
-class PairVerdict:
-    a: str
-    b: str
-    live_rel: float  # (tput a - tput b) / mean of the two, live
-    sim_rel: float  # the same, simulated
-    verdict: str  # "agree", "disagree", or "tie" (live difference within the noise: not judged)
-
-
-def rank_pairs(rows: list[dict[str, Any]], noise: float) -> list[PairVerdict]:
-    """Every pair of policies ordered by throughput, live and simulated. A pair whose live difference
-    is within ``noise`` (the measured run-to-run spread) is a tie: its live order is chance, so
-    neither order of the simulated pair is wrong. ``noise`` 0 judges plain ordering."""
-    out = []
-    for i, ra in enumerate(rows):
-        for rb in rows[i + 1:]:
-            live = (ra["tput_live"] - rb["tput_live"]) / ((ra["tput_live"] + rb["tput_live"]) / 2)
-            sim = (ra["tput_sim"] - rb["tput_sim"]) / ((ra["tput_sim"] + rb["tput_sim"]) / 2)
-            verdict = "tie" if abs(live) <= noise else "agree" if live * sim > 0 else "disagree"
-            out.append(PairVerdict(ra["policy"], rb["policy"], live, sim, verdict))
-    return out
-
-
-def rank_fields(rows: list[dict[str, Any]], noise: float) -> dict[str, Any]:
-    """The bench's ranking fields: agreement holds when every pair separated by more than the noise
-    is ordered alike; with no separated pair at all there is nothing to agree on (False)."""
-    pairs = rank_pairs(rows, noise)
-    judged = [p for p in pairs if p.verdict != "tie"]
-    return {"rank_agree": bool(judged) and all(p.verdict == "agree" for p in judged),
-            "rank_noise_rel": round(noise, 4), "rank_pairs_separated": len(judged),
-            "rank_ties": [f"{p.a}~{p.b}" for p in pairs if p.verdict == "tie"]}
-
-
-def pairs_table(pairs: list[PairVerdict], noise: float) -> str:
-    lines = [f"throughput differences per pair (noise: calibration replays spread {noise:.1%})",
-             "| pair | live | sim | verdict |", "|---|---|---|---|"]
-    lines += [f"| {p.a} vs {p.b} | {p.live_rel:+.1%} | {p.sim_rel:+.1%} | {p.verdict} |" for p in pairs]
-    return "\n".join(lines) + "\n"
+    def run(self, pol: str, rep: int) -> tuple[RealPoint, float]:
+        tag = f"{pol}-r{rep}"
+        # Calibration replay just before (the machine's load drifts within a minute): another
+        # workload (other sessions, other placement), the same knobs, a neutral policy.
+        _set_policy(self.config_path, self.data, CALIBRATION_POLICY, self.route_url)
+        _reset_caches(self.running)
+        idle = measure_path(self.gateway, self.cal)
+        cal_records = replay(self.cal_wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
+                                                       seed=self.seed + 1,
+                                                       records=self.work / f"calibration-before-{tag}.jsonl"))
+        loaded = fit_under_load(self.cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY),
+                                self.cal.profile, idle, CALIBRATION_POLICY, self.engines, self.rate, self.seed + 1,
+                                self.max_think_s)
+        write_profile(loaded.profile, self.work / f"calibrated-under-load-{tag}.yaml")
+        path = RequestPath(loaded.pre, idle.post)
+        ct = loaded.contention
+        print(f"{tag}: calibration replay: decode {decode_s_per_token(loaded.live) * 1e3:.2f} ms/token live "
+              f"({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
+              f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token "
+              f"{loaded.pre * 1e3:.1f} ms at the median ({ct.base * 1e3:.1f} ms + {ct.per_inflight * 1e3:.1f} ms per "
+              f"request in flight on the engine; {idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last",
+              flush=True)
+        _set_policy(self.config_path, self.data, pol, self.route_url)
+        _reset_caches(self.running)
+        cpu0, load0, t0 = _cpu_seconds(self.pgids), os.getloadavg()[0], time.monotonic()
+        records = replay(self.wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
+                                               seed=self.seed, records=self.work / f"{tag}.jsonl"))
+        wall = time.monotonic() - t0
+        cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(self.pgids).items()}
+        live = summarize_records(records, policy=pol)
+        sim = simulate_like(with_turnaround(self.wl, path.turnaround, self.max_think_s), loaded.profile, pol,
+                            self.engines, self.rate, self.seed, 1e9)
+        cond = {"idle_path_pre_s": idle.pre, "slowdown": loaded.slowdown, "replay_wall_s": round(wall, 2),
+                "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "cpu_s": cpu,
+                "tput_calibration": run_tps(loaded.live)}
+        print(f"{tag}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
+              f"{live.summary['failed']} failed; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
+              f"CPU seconds over {wall:.1f} s: {cpu}", flush=True)
+        return RealPoint(pol, rep, live, sim, path, ct, cond), run_tps(loaded.live)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["policy", "tok/s live", "sim", "TTFT p50 live", "sim", "local hit live", "sim", "sticky live", "sim"]
+    """Live against simulated; "sim const" is the TTFT with a constant request path (no contention)."""
+    head = ["policy", "tok/s live", "sim", "TTFT p50 live", "sim", "sim const", "local hit live", "sim", "sticky live",
+            "sim"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
-                     f"{r['ttft_p50_sim']:.3f} | {r['hit_live']:.3f} | {r['hit_sim']:.3f} | "
-                     f"{r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
+        name = r["policy"] + (f" #{r['repeat']}" if "repeat" in r else "")
+        lines.append(f"| {name} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
+                     f"{r['ttft_p50_sim']:.3f} | {r['ttft_p50_sim_const']:.3f} | {r['hit_live']:.3f} | "
+                     f"{r['hit_sim']:.3f} | {r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -449,13 +525,14 @@ def conditions_table(rows: list[dict[str, Any]]) -> str:
     """What each replay ran under: the fitted engine slowdown and request path (calibration replay), the
     idle path, the machine's load, who used the CPU."""
     names = sorted({k for r in rows for k in r["cpu_s"]})
-    head = ["policy", "slowdown", "path pre (ms)", "idle", "post (ms)", "load avg 1m (start, end)", "replay wall (s)",
-            *(f"CPU s {n}" for n in names)]
+    head = ["policy", "cal tok/s", "slowdown", "path pre (ms)", "base", "per in flight", "idle", "post (ms)",
+            "load avg 1m (start, end)", "replay wall (s)", *(f"CPU s {n}" for n in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         la = r["load_avg_1m"]
-        lines.append(f"| {r['policy']} | {r['slowdown']:.2f} | {r['path_pre_s'] * 1e3:.1f} | "
-                     f"{r['idle_path_pre_s'] * 1e3:.1f} | {r['path_post_s'] * 1e3:.1f} | "
-                     f"{la[0]:.1f}, {la[1]:.1f} | {r['replay_wall_s']:.1f} | "
+        lines.append(f"| {r['policy']} #{r['repeat']} | {r['tput_calibration']:.0f} | {r['slowdown']:.2f} | "
+                     f"{r['path_pre_s'] * 1e3:.1f} | {r['path_base_s'] * 1e3:.1f} | "
+                     f"{r['path_per_inflight_s'] * 1e3:.1f} | {r['idle_path_pre_s'] * 1e3:.1f} | "
+                     f"{r['path_post_s'] * 1e3:.1f} | {la[0]:.1f}, {la[1]:.1f} | {r['replay_wall_s']:.1f} | "
                      + " | ".join(f"{r['cpu_s'].get(n, 0.0):.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
