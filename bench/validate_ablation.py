@@ -2,16 +2,21 @@
 
     python bench/validate_ablation.py WORKDIR/real     # the folder `smetric sim validate --out` wrote
 
-For every policy, the live replay (its records) against four simulations of the same workload:
+For every replay (policy and repeat), the live records against simulations of the same workload:
   idle          the idle-engine profile, no request path (the validation before this model)
   + idle path   the idle profile, the request path measured with tiny requests one at a time
   + slowdown    the profile slowed as the calibration replay measured, the idle path
-  fitted        slowdown and the request path under load, both from the calibration replay (what
-                `smetric sim validate` reports)
+  fitted const  slowdown and a constant request path under load, both from the calibration replay
+  fitted        the same, the path before the first token growing with the requests in flight on the
+                serving engine (what `smetric sim validate` reports)
   fitted, KV unbounded   the same with a KV cache no request evicts from: what the engines' small
                 KV capacity (``--num-gpu-blocks-override``) adds to the policies' differences
-  common profile         the first policy's fitted profile and path for every policy: the policies'
+  common profile         the first replay's fitted profile and path for every replay: the policies'
                 differences without the load drifting between their calibration replays
+
+Then the TTFT per request: live against simulated (constant path and load-dependent path), by how many
+other requests were in flight on the serving engine when the request arrived (live count for the
+live column, simulated count for the simulated ones).
 """
 
 from __future__ import annotations
@@ -20,12 +25,43 @@ import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from smetric_lmc.replay.compare import with_kv_tokens
 from smetric_lmc.replay.runner import Record
 from smetric_lmc.replay.summary import summarize_records
-from smetric_lmc.replay.validate import run_tps, simulate_like, small_workload, validate_real, with_turnaround
+from smetric_lmc.replay.validate import (
+    Contention,
+    inflight_on_instance,
+    run_tps,
+    simulate_like,
+    small_workload,
+    validate_real,
+    with_turnaround,
+)
+from smetric_lmc.sim.metrics import SimResult
 from smetric_lmc.sim.profile import load_profile
+
+
+def _tag(r: dict[str, Any]) -> str:
+    return f"{r['policy']}-r{r['repeat']}"
+
+
+def _by_inflight(live: SimResult, sims: list[tuple[SimResult, Contention]]) -> list[str]:
+    lk = inflight_on_instance(live)
+    lt = live.cols["first_token"] - live.cols["arrival"]
+    got = [(inflight_on_instance(s), c.ttft(s)) for s, c in sims]
+    out = []
+    for lo, hi in ((0, 1), (1, 2), (2, 4), (4, 1 << 30)):
+        cells = [f"{np.nanmedian(lt[(lk >= lo) & (lk < hi)]) * 1e3:.1f} ({int(((lk >= lo) & (lk < hi)).sum())})"
+                 if ((lk >= lo) & (lk < hi)).any() else "-"]
+        for k, t in got:
+            m = (k >= lo) & (k < hi)
+            cells.append(f"{np.nanmedian(t[m]) * 1e3:.1f} ({int(m.sum())})" if m.any() else "-")
+        out.append(f"{lo}-{hi - 1 if hi < 1 << 30 else '+'}: " + " / ".join(cells))
+    return out
 
 
 def main(work: Path) -> None:
@@ -34,25 +70,39 @@ def main(work: Path) -> None:
     d = {k: v.default for k, v in inspect.signature(validate_real).parameters.items()}
     wl = small_workload(d["sessions"], d["turns"], d["context_scale"], d["output_scale"], d["seed"])
     first = rows[0]
-    common = load_profile(work / f"calibrated-under-load-{first['policy']}.yaml")
-    print("| policy | model | tok/s sim | live | err | TTFT p50 sim (s) | live | err | local hit sim | live |")
+    common = load_profile(work / f"calibrated-under-load-{_tag(first)}.yaml")
+    common_ct = Contention(first["path_base_s"], first["path_per_inflight_s"])
+    print("| replay | model | tok/s sim | live | err | TTFT p50 sim (s) | live | err | local hit sim | live |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    per_request = []
     for r in rows:
-        pol = r["policy"]
-        live = summarize_records([Record(**json.loads(x)) for x in (work / f"{pol}.jsonl").open()], policy=pol)
-        loaded = load_profile(work / f"calibrated-under-load-{pol}.yaml")
+        pol, tag = r["policy"], _tag(r)
+        live = summarize_records([Record(**json.loads(x)) for x in (work / f"{tag}.jsonl").open()], policy=pol)
+        loaded = load_profile(work / f"calibrated-under-load-{tag}.yaml")
         post = r["path_post_s"]
-        for name, prof, pre in (("idle", idle, None), ("+ idle path", idle, r["idle_path_pre_s"]),
-                                ("+ slowdown", loaded, r["idle_path_pre_s"]), ("fitted", loaded, r["path_pre_s"]),
-                                ("fitted, KV unbounded", with_kv_tokens(loaded, 1 << 24), r["path_pre_s"]),
-                                ("common profile", common, first["path_pre_s"])):
+        ct = Contention(r["path_base_s"], r["path_per_inflight_s"])
+        const = Contention(r["path_pre_s"], 0.0)
+        sims = []
+        for name, prof, pre, path in (("idle", idle, None, None), ("+ idle path", idle, r["idle_path_pre_s"], None),
+                                      ("+ slowdown", loaded, r["idle_path_pre_s"], None),
+                                      ("fitted const", loaded, r["path_pre_s"], const),
+                                      ("fitted", loaded, r["path_pre_s"], ct),
+                                      ("fitted, KV unbounded", with_kv_tokens(loaded, 1 << 24), r["path_pre_s"], ct),
+                                      ("common profile", common, first["path_pre_s"], common_ct)):
             turn = 0.0 if pre is None else pre + post
             sim = simulate_like(with_turnaround(wl, turn, 0.0), prof, pol, 2, d["rate"], d["seed"], 1e9)
             tps = run_tps(sim, 0.0 if pre is None else post)
-            ttft = sim.summary["ttft_p50"] + (pre or 0.0)
+            ttft = float(np.nanmedian(path.ttft(sim))) if path else sim.summary["ttft_p50"] + (pre or 0.0)
+            if name in ("fitted const", "fitted"):
+                sims.append((sim, path))
             lt, lf = run_tps(live), live.summary["ttft_p50"]
-            print(f"| {pol} | {name} | {tps:.0f} | {lt:.0f} | {tps / lt - 1:+.0%} | {ttft:.3f} | {lf:.3f} | "
+            print(f"| {tag} | {name} | {tps:.0f} | {lt:.0f} | {tps / lt - 1:+.0%} | {ttft:.3f} | {lf:.3f} | "
                   f"{ttft / lf - 1:+.0%} | {sim.summary['hit_local']:.3f} | {live.summary['hit_local']:.3f} |")
+        per_request.append((tag, _by_inflight(live, sims)))
+    print("\nTTFT p50 (ms, requests) by other requests in flight on the serving engine at arrival: "
+          "live / sim constant path / sim load-dependent path")
+    for tag, lines in per_request:
+        print(f"{tag}: " + "; ".join(lines))
 
 
 if __name__ == "__main__":

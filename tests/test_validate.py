@@ -14,7 +14,7 @@ import pytest
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
 from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
-from smetric_lmc.replay.ranking import live_noise, rank_fields, rank_pairs, run_order, spread
+from smetric_lmc.replay.ranking import rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.validate import (
     Contention,
     RequestPath,
@@ -168,52 +168,62 @@ def test_run_order_is_balanced_so_a_linear_drift_weighs_on_every_policy_alike() 
         run_order(("a", "b"), 0)
 
 
-def _rows(**tputs: tuple[float, float]) -> list[dict]:
-    return [{"policy": k, "tput_live": live, "tput_sim": sim} for k, (live, sim) in tputs.items()]
+def _rows(noise: float, **tputs: tuple[float, float]) -> list[dict]:
+    return [{"policy": k, "tput_live": live, "tput_sim": sim, "noise": noise} for k, (live, sim) in tputs.items()]
 
 
 def test_ranking_counts_pairs_inside_the_live_noise_as_ties_and_judges_the_rest() -> None:
-    """The noise is the largest spread of one policy's repeats (10% here); smetric and load_balance 5%
-    apart live are a tie whichever order a mild simulator gives them; a pair 20% apart must keep its
-    order."""
-    noise = live_noise({"smetric": [1000.0, 1100.0], "load_balance": [1000.0, 1000.0]})
-    assert noise == pytest.approx(100 / 1050)
-    noise = 0.1
-    rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 880.0))
-    verdicts = {(p.a, p.b): p.verdict for p in rank_pairs(rows, noise)}
+    """Repeats of a policy spread 10% (its noise); smetric and load_balance 5% apart live are a tie
+    whichever order a mild simulator gives them; a pair 20% apart must keep its order."""
+    assert spread([900.0, 1000.0, 1000.0]) == pytest.approx(0.1)  # over the median: one stall does not set it
+    rows = _rows(0.1, smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 880.0))
+    verdicts = {(p.a, p.b): p.verdict for p in rank_pairs(rows)}
     assert verdicts == {("smetric", "load_balance"): "tie", ("smetric", "round_robin"): "agree",
                         ("load_balance", "round_robin"): "agree"}
-    got = rank_fields(rows, noise)
+    got = rank_fields(rows)
     assert got["rank_agree"] is True and got["rank_ties"] == ["smetric~load_balance"]
-    assert got["rank_pairs_separated"] == 2 and got["rank_noise_rel"] == 0.1 and got["rank_disagreements"] == []
+    assert got["rank_pairs_separated"] == 2 and got["rank_disagreements"] == []
+    assert got["rank_noise_rel"] == {"smetric": 0.1, "load_balance": 0.1, "round_robin": 0.1}
     # The simulator swapping a separated pair is a disagreement, noise or not.
-    swapped = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 1100.0))
-    assert rank_fields(swapped, noise)["rank_agree"] is False
+    swapped = _rows(0.1, smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0), round_robin=(850.0, 1100.0))
+    assert rank_fields(swapped)["rank_agree"] is False
+
+
+def test_a_pair_is_judged_against_the_noisier_of_its_two_policies() -> None:
+    """round_robin's repeats spread 60% (one replay stalled): its pairs are ties; smetric and
+    load_balance, repeatable within 5%, are 12% apart and judged."""
+    rows = _rows(0.05, smetric=(1120.0, 1100.0), load_balance=(1000.0, 1000.0))
+    rows.append({"policy": "round_robin", "tput_live": 700.0, "tput_sim": 900.0, "noise": 0.6})
+    verdicts = {(p.a, p.b): p.verdict for p in rank_pairs(rows)}
+    assert verdicts == {("smetric", "load_balance"): "agree", ("smetric", "round_robin"): "tie",
+                        ("load_balance", "round_robin"): "tie"}
+    assert rank_fields(rows)["rank_agree"] is True and rank_fields(rows)["rank_pairs_separated"] == 1
 
 
 def test_a_tie_the_simulator_orders_strongly_the_other_way_fails_the_ranking() -> None:
     """Live 5% apart (a tie at 10% noise) while the simulator puts the pair 30% apart the other way:
     the simulator claims a separation the engines do not show. 8% the other way is within the noise."""
-    strong = _rows(smetric=(1050.0, 800.0), load_balance=(1000.0, 1080.0), round_robin=(700.0, 600.0))
-    got = rank_fields(strong, 0.1)
+    strong = _rows(0.1, smetric=(1050.0, 800.0), load_balance=(1000.0, 1080.0), round_robin=(700.0, 600.0))
+    got = rank_fields(strong)
     assert got["rank_agree"] is False
     assert got["rank_disagreements"] == ["smetric~load_balance:tie-contradicted"]
     assert got["rank_ties"] == ["smetric~load_balance"]
-    mild = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1083.0), round_robin=(700.0, 600.0))
-    assert rank_fields(mild, 0.1)["rank_agree"] is True
+    mild = _rows(0.1, smetric=(1050.0, 1000.0), load_balance=(1000.0, 1083.0), round_robin=(700.0, 600.0))
+    assert rank_fields(mild)["rank_agree"] is True
 
 
 def test_ranking_without_measured_noise_is_plain_ordering_and_all_ties_agree_on_nothing() -> None:
-    rows = _rows(smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0))
-    assert spread([1000.0]) == 0.0 and live_noise({"a": [1000.0]}) == 0.0  # one replay measures no noise
-    assert rank_fields(rows, 0.0) == {"rank_agree": False, "rank_noise_rel": 0.0, "rank_pairs_separated": 1,
-                                      "rank_ties": [], "rank_disagreements": ["smetric~load_balance:disagree"]}
+    rows = _rows(0.0, smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0))
+    assert spread([1000.0]) == 0.0  # one replay measures no noise
+    assert rank_fields(rows) == {"rank_agree": False, "rank_noise_rel": {"smetric": 0.0, "load_balance": 0.0},
+                                 "rank_pairs_separated": 1, "rank_ties": [],
+                                 "rank_disagreements": ["smetric~load_balance:disagree"]}
     # Every pair within the noise: nothing was separated, so there is no ranking to agree with.
-    assert rank_fields(rows, 0.2)["rank_agree"] is False
-    assert rank_fields(rows, 0.2)["rank_pairs_separated"] == 0
+    wide = _rows(0.2, smetric=(1050.0, 1000.0), load_balance=(1000.0, 1040.0))
+    assert rank_fields(wide)["rank_agree"] is False and rank_fields(wide)["rank_pairs_separated"] == 0
 
 
-def test_repeats_are_averaged_per_policy_and_their_spread_is_the_noise() -> None:
+def test_repeats_are_summarized_per_policy_by_their_median_and_their_spread_is_the_noise() -> None:
     def slot(pol: str, rep: int, live: float, sim: float, ttft_live: float, ttft_sim: float) -> dict:
         return {"policy": pol, "repeat": rep, "tput_live": live, "tput_sim": sim, "ttft_p50_live": ttft_live,
                 "ttft_p50_sim": ttft_sim, "ttft_p50_sim_const": ttft_sim * 1.5, "hit_live": 0.8, "hit_sim": 0.82,
@@ -223,12 +233,15 @@ def test_repeats_are_averaged_per_policy_and_their_spread_is_the_noise() -> None
              slot("b", 1, 700, 720, 0.05, 0.04), slot("a", 1, 900, 800, 0.05, 0.05)]
     rows, f = summarize_repeats(slots, ["a", "b"])
     assert [r["policy"] for r in rows] == ["a", "b"] and rows[0]["tput_live"] == 950 and rows[0]["tput_sim"] == 950
+    assert rows[0]["noise"] == pytest.approx(100 / 950) and rows[1]["noise"] == pytest.approx(100 / 750)
     assert f["repeats"] == 2 and f["tput_live_by_repeat"] == {"a": [1000, 900], "b": [800, 700]}
     assert f["tput_rel_err_max"] == pytest.approx(abs(760 / 750 - 1), abs=1e-4)
     assert f["tput_rel_err_max_repeat"] == pytest.approx(0.1111, abs=1e-4)  # a #1: 800 against 900
     assert f["ttft_p50_rel_err_max"] == 0.0 and f["ttft_p50_rel_err_max_repeat"] == pytest.approx(0.2)
     assert f["ttft_p50_rel_err_max_const_path"] == pytest.approx(0.5)
-    assert f["rank_noise_rel"] == pytest.approx(100 / 750, abs=1e-4)  # b's repeats spread most
     assert f["rank_pairs_separated"] == 1 and f["rank_agree"] is True  # a 950 vs b 750: 23.5% apart
+    # Three repeats: the median ignores one stalled replay.
+    rows3, _ = summarize_repeats([*slots, slot("a", 2, 300, 1000, 0.2, 0.05)], ["a", "b"])
+    assert rows3[0]["tput_live"] == 900 and rows3[0]["ttft_p50_live"] == 0.05
     with pytest.raises(ValueError, match="no replay of policy c"):
         summarize_repeats(slots, ["a", "b", "c"])

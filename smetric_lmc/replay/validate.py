@@ -33,7 +33,7 @@ import numpy as np
 from smetric_lmc.replay.calibrate import Calibration, calibrate, robust_line
 from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up, write_profile
 from smetric_lmc.replay.prompts import scale_workload
-from smetric_lmc.replay.ranking import live_noise, pairs_table, rank_fields, rank_pairs, run_order, spread
+from smetric_lmc.replay.ranking import pairs_table, rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.runner import ReplayConfig, replay
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.sim.metrics import SimResult
@@ -415,18 +415,18 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     print(f"calibration replays (the same workload and policy before every replay): "
           f"{', '.join(f'{t:.0f}' for t in cal_tps)} tok/s live (spread {spread(cal_tps):.1%})")
     rows, fields = summarize_repeats(slots, list(policies))
-    print(f"per policy, means over {repeats} repeat(s):")
+    print(f"per policy, medians over {repeats} repeat(s):")
     print(table(rows))
-    print(pairs_table(rank_pairs(rows, fields["rank_noise_rel"]), fields["rank_noise_rel"]))
+    print(pairs_table(rank_pairs(rows)))
     return {"engines": engines, "policies": list(policies), **fields,
             "calibration_spread_rel": round(spread(cal_tps), 4)}
 
 
 def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per-policy rows (means over the policy's repeats) and the bench's fields: errors of the means,
-    the worst error of a single repeat (``*_repeat``), each policy's live throughputs per repeat and
-    their spread, and the ranking (``ranking.rank_fields``, noise = the largest spread of one policy's
-    repeats)."""
+    """Per-policy rows (medians over the policy's repeats, each repeat simulated with its own fit;
+    ``noise``: the spread of its live throughputs) and the bench's fields: errors of the medians, the
+    worst error of a single repeat (``*_repeat``), each policy's live throughputs per repeat, and the
+    ranking (``ranking.rank_fields``)."""
     keys = ("tput_live", "tput_sim", "ttft_p50_live", "ttft_p50_sim", "ttft_p50_sim_const", "hit_live", "hit_sim",
             "sticky_live", "sticky_sim")
     rows, by_pol = [], {}
@@ -434,13 +434,13 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
         mine = [r for r in slots if r["policy"] == pol]
         if not mine:
             raise ValueError(f"no replay of policy {pol}")
-        rows.append({"policy": pol, **{k: float(np.nanmean([r[k] for r in mine])) for k in keys}})
         by_pol[pol] = [r["tput_live"] for r in mine]
+        rows.append({"policy": pol, **{k: float(np.nanmedian([r[k] for r in mine])) for k in keys},
+                     "noise": spread(by_pol[pol])})
 
     def err(rs: list[dict[str, Any]], sim: str, live: str) -> float:
         return round(max(abs(r[sim] / r[live] - 1) for r in rs), 4)
 
-    noise = live_noise(by_pol)
     return rows, {
         "repeats": max(len(v) for v in by_pol.values()),
         "hit_abs_err_max": round(max(abs(r["hit_live"] - r["hit_sim"]) for r in rows), 4),
@@ -450,7 +450,7 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
         "ttft_p50_rel_err_max_repeat": err(slots, "ttft_p50_sim", "ttft_p50_live"),
         "ttft_p50_rel_err_max_const_path": err(rows, "ttft_p50_sim_const", "ttft_p50_live"),
         "tput_live_by_repeat": {k: [round(x) for x in v] for k, v in by_pol.items()},
-        **rank_fields(rows, noise),
+        **rank_fields(rows),
     }
 
 
