@@ -71,8 +71,8 @@ def main() -> int:
     ap.add_argument("--max-think-s", type=float, default=60.0)
     ap.add_argument("--policies", default="smetric,load_balance")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="real engines: replays of each policy, in a balanced order (ABC, then CBA)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="real engines: replays of each policy, in a balanced order (ABC CBA ABC ...)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="smetric-validate-"))

@@ -17,7 +17,9 @@ from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_prof
 from smetric_lmc.replay.ranking import rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.validate import (
     Contention,
+    LoadedFit,
     RequestPath,
+    bracketed,
     decode_s_per_token,
     fit_contention,
     fit_under_load,
@@ -245,3 +247,16 @@ def test_repeats_are_summarized_per_policy_by_their_median_and_their_spread_is_t
     assert rows3[0]["tput_live"] == 900 and rows3[0]["ttft_p50_live"] == 0.05
     with pytest.raises(ValueError, match="no replay of policy c"):
         summarize_repeats(slots, ["a", "b", "c"])
+
+
+def test_a_replay_is_simulated_with_the_mean_of_the_calibrations_around_it() -> None:
+    idle = _idle_cpu_profile()
+    live = simulate_like(small_workload(4, 2, 0.03, 0.03), idle, "load_balance", 2, 4.0, 1, 1e9)
+
+    def fit(factor: float, pre: float, base: float, per: float) -> LoadedFit:
+        return LoadedFit(slowed(idle, factor), factor, pre, live, live, Contention(base, per))
+
+    prof, factor, pre, ct = bracketed(fit(1.0, 0.02, 0.01, 0.004), fit(4.0, 0.04, 0.03, 0.008), idle)
+    assert factor == pytest.approx(2.0) and pre == pytest.approx(0.03)
+    assert ct == Contention(pytest.approx(0.02), pytest.approx(0.006))
+    assert prof.iteration_time([(256, 0)], 2, 512) == pytest.approx(2 * idle.iteration_time([(256, 0)], 2, 512))

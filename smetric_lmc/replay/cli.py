@@ -120,8 +120,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="calibrate: the engine's --max-num-batched-tokens (default: as --max-num-seqs)")
     g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
-    g.add_argument("--repeats", type=int, default=2,
-                   help="validate: replays of each policy, in a balanced order (forward, then reversed)")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="validate: replays of each policy, in a balanced order (forward, reversed, forward, ...)")
 
 
 def run_calibration_action(args: argparse.Namespace) -> int:

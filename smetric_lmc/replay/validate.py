@@ -1,19 +1,23 @@
 """``smetric sim validate``: the simulator against real vLLM engines on this machine.
 
 Starts N vLLM CPU engines (tiny local model, every thread of engine i on core i) with the controller
-and the gateway (the ``smetric up`` machinery) and profiles engine 0 idle (``calibrate``). Then per
-policy: a calibration replay (caches cleared, ``load_balance``, another workload) fits how much
-slower the engines run under the live stack and the request path under that load
-(``fit_under_load``); then every prefix cache is cleared, the controller's policy switched (hot
-reload), the validation workload replayed through the gateway and simulated with the fitted profile.
-Live and simulated runs are compared on throughput (tokens over the run), TTFT p50, local-hit ratio,
-stickiness and route-reason mix; the policies are ranked by throughput in both.
+and the gateway (the ``smetric up`` machinery) and profiles engine 0 idle (``calibrate``). Then each
+policy is replayed ``repeats`` times in a balanced order (ABC CBA ABC: ``ranking.run_order``), and
+every replay sits between two calibration replays (caches cleared, ``load_balance``, another
+workload) that fit how much slower the engines run under the live stack and the request path under
+that load (``fit_under_load``, ``fit_contention``). Before a replay every prefix cache is cleared and
+the controller's policy switched (hot reload); the validation workload is replayed through the
+gateway and simulated with what its two calibrations saw (``bracketed``). Live and simulated runs
+are compared on throughput (tokens over the run), TTFT p50, local-hit ratio, stickiness and
+route-reason mix, per replay and as medians over the repeats; the policies are ranked by throughput
+(``ranking``).
 
 The simulator models the engines' iterations only. What a live request spends outside them (client,
 gateway, controller, vLLM's API server and engine-core hand-offs: the *request path*) is ``pre``
 (send to first token, beyond the first iteration) and ``post`` (last token to the end of the
 stream). A closed-loop session waits ``pre + post`` between a reply and its next request's first
-iteration, so the simulated sessions get it as think time; simulated TTFTs get ``pre`` added.
+iteration, so the simulated sessions get it as think time; simulated TTFTs get the path at the
+simulated concurrency added (``Contention``: it grows with the requests in flight on the engine).
 """
 
 from __future__ import annotations
@@ -353,7 +357,7 @@ CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as mo
 def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
                   sessions: int = 16, turns: int = 8, context_scale: float = 0.04, output_scale: float = 0.03,
                   rate: float = 4.0, max_think_s: float = 0.0, seed: int = 0, pin: bool = True,
-                  max_model_len: int = 4096, num_gpu_blocks: int | None = 320, repeats: int = 2) -> dict[str, Any]:
+                  max_model_len: int = 4096, num_gpu_blocks: int | None = 320, repeats: int = 3) -> dict[str, Any]:
     """Run the validation; prints the side-by-side tables and returns the bench's JSON fields.
 
     The default workload: closed loop without think time, short outputs, sessions starting at ``rate``
@@ -364,7 +368,8 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
     to ``max_model_len`` make the prefill it then repeats cost more than the request path.
 
     Every policy runs ``repeats`` times in a balanced order (``ranking.run_order``: forward, then
-    reversed), each run with its own calibration replay just before it."""
+    reversed, ...), every replay between two calibration replays and simulated with what they saw
+    (``bracketed``)."""
     from smetric_lmc.workers import launch, up
 
     work.mkdir(parents=True, exist_ok=True)
@@ -394,25 +399,28 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         wl = small_workload(sessions, turns, context_scale, output_scale, seed)
         pgids = {e.instance_id: e.process.pid for e in running} | {"controller": procs[0].pid, "gateway": procs[1].pid}
         cal_wl = small_workload(sessions, turns, context_scale, output_scale, seed + 1)
-        points: list[RealPoint] = []
-        cal_tps: list[float] = []  # the calibration replays: same workload, policy and knobs each time
         slot = _Slot(running, gateway, config_path, data, route_url, cal, pgids, work, wl, cal_wl,
                      dict(engines=engines, rate=rate, max_think_s=max_think_s, seed=seed))
-        for pol, rep in run_order(policies, repeats):
-            point, tps = slot.run(pol, rep)
-            points.append(point)
-            cal_tps.append(tps)
+        order = run_order(policies, repeats)
+        fits: list[tuple[LoadedFit, RequestPath]] = []  # the calibration replays, one before every replay and one after
+        lives: list[tuple[SimResult, dict[str, Any]]] = []
+        for k, (pol, rep) in enumerate(order):
+            fits.append(slot.calibrate("before-first" if k == 0 else f"between-{k - 1}-{k}"))
+            lives.append(slot.replay(pol, rep))
+        fits.append(slot.calibrate("after-last"))
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=10.0)
         for e in running:
             e.process.stop()
+    points = [slot.simulate(pol, rep, lives[k], fits[k], fits[k + 1]) for k, (pol, rep) in enumerate(order)]
+    cal_tps = [run_tps(f.live) for f, _ in fits]
     slots = [p.row() for p in points]
     (work / "validation.json").write_text(json.dumps(slots, default=float, indent=1))
     print("every replay, in run order:")
     print(table(slots))
     print(conditions_table(slots))
-    print(f"calibration replays (the same workload and policy before every replay): "
+    print(f"calibration replays (the same workload and policy before, between and after the replays): "
           f"{', '.join(f'{t:.0f}' for t in cal_tps)} tok/s live (spread {spread(cal_tps):.1%})")
     rows, fields = summarize_repeats(slots, list(policies))
     print(f"per policy, medians over {repeats} repeat(s):")
@@ -454,10 +462,21 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
     }
 
 
+def bracketed(before: LoadedFit, after: LoadedFit, idle: Profile) -> tuple[Profile, float, float, Contention]:
+    """The engines during a replay, from the calibration replays just before and just after it: the
+    geometric mean of their slowdowns, the mean of their request paths. The machine's load drifts
+    within seconds here; a replay lies between its two calibrations in time."""
+    factor = float(np.sqrt(before.slowdown * after.slowdown))
+    cb, ca = before.contention, after.contention
+    return (slowed(idle, factor), factor, (before.pre + after.pre) / 2,
+            Contention((cb.base + ca.base) / 2, (cb.per_inflight + ca.per_inflight) / 2))
+
+
 class _Slot:
-    """One (policy, repeat) of the validation: caches cleared, a calibration replay fitted, caches
-    cleared again, the policy's replay, and its simulation with that fit: live and simulated see the
-    same engine state and the same minute of the machine's load."""
+    """The steps of the validation. Every replay of a policy runs between two calibration replays
+    (caches cleared, ``load_balance``, another workload), caches cleared before it too; it is then
+    simulated with what the two calibrations saw (``bracketed``): live and simulated see the same
+    engine state and the same seconds of the machine's load, and nothing is fitted on the replay."""
 
     def __init__(self, running: list[Any], gateway: str, config_path: Path, data: dict[str, Any], route_url: str,
                  cal: Calibration, pgids: dict[str, int], work: Path, wl: Workload, cal_wl: Workload,
@@ -467,28 +486,26 @@ class _Slot:
         self.engines, self.rate = knobs["engines"], knobs["rate"]
         self.max_think_s, self.seed = knobs["max_think_s"], knobs["seed"]
 
-    def run(self, pol: str, rep: int) -> tuple[RealPoint, float]:
-        tag = f"{pol}-r{rep}"
-        # Calibration replay just before (the machine's load drifts within a minute): another
-        # workload (other sessions, other placement), the same knobs, a neutral policy.
+    def calibrate(self, tag: str) -> tuple[LoadedFit, RequestPath]:
         _set_policy(self.config_path, self.data, CALIBRATION_POLICY, self.route_url)
         _reset_caches(self.running)
         idle = measure_path(self.gateway, self.cal)
         cal_records = replay(self.cal_wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
-                                                       seed=self.seed + 1,
-                                                       records=self.work / f"calibration-before-{tag}.jsonl"))
+                                                       seed=self.seed + 1, records=self.work / f"calibration-{tag}.jsonl"))
         loaded = fit_under_load(self.cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY),
                                 self.cal.profile, idle, CALIBRATION_POLICY, self.engines, self.rate, self.seed + 1,
                                 self.max_think_s)
-        write_profile(loaded.profile, self.work / f"calibrated-under-load-{tag}.yaml")
-        path = RequestPath(loaded.pre, idle.post)
         ct = loaded.contention
-        print(f"{tag}: calibration replay: decode {decode_s_per_token(loaded.live) * 1e3:.2f} ms/token live "
-              f"({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
+        print(f"calibration {tag}: {run_tps(loaded.live):.0f} tok/s; decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
+              f"ms/token live ({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
               f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token "
               f"{loaded.pre * 1e3:.1f} ms at the median ({ct.base * 1e3:.1f} ms + {ct.per_inflight * 1e3:.1f} ms per "
               f"request in flight on the engine; {idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last",
               flush=True)
+        return loaded, idle
+
+    def replay(self, pol: str, rep: int) -> tuple[SimResult, dict[str, Any]]:
+        tag = f"{pol}-r{rep}"
         _set_policy(self.config_path, self.data, pol, self.route_url)
         _reset_caches(self.running)
         cpu0, load0, t0 = _cpu_seconds(self.pgids), os.getloadavg()[0], time.monotonic()
@@ -497,15 +514,23 @@ class _Slot:
         wall = time.monotonic() - t0
         cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(self.pgids).items()}
         live = summarize_records(records, policy=pol)
-        sim = simulate_like(with_turnaround(self.wl, path.turnaround, self.max_think_s), loaded.profile, pol,
-                            self.engines, self.rate, self.seed, 1e9)
-        cond = {"idle_path_pre_s": idle.pre, "slowdown": loaded.slowdown, "replay_wall_s": round(wall, 2),
-                "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "cpu_s": cpu,
-                "tput_calibration": run_tps(loaded.live)}
-        print(f"{tag}: live {run_tps(live):.0f} tok/s, sim {run_tps(sim, path.post):.0f} tok/s; "
-              f"{live.summary['failed']} failed; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
-              f"CPU seconds over {wall:.1f} s: {cpu}", flush=True)
-        return RealPoint(pol, rep, live, sim, path, ct, cond), run_tps(loaded.live)
+        print(f"{tag}: live {run_tps(live):.0f} tok/s; {live.summary['failed']} failed; load average {load0:.1f} -> "
+              f"{os.getloadavg()[0]:.1f}; CPU seconds over {wall:.1f} s: {cpu}", flush=True)
+        return live, {"replay_wall_s": round(wall, 2), "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                      "cpu_s": cpu}
+
+    def simulate(self, pol: str, rep: int, lived: tuple[SimResult, dict[str, Any]],
+                 before: tuple[LoadedFit, RequestPath], after: tuple[LoadedFit, RequestPath]) -> RealPoint:
+        live, cond = lived
+        profile, factor, pre, ct = bracketed(before[0], after[0], self.cal.profile)
+        write_profile(profile, self.work / f"calibrated-under-load-{pol}-r{rep}.yaml")
+        path = RequestPath(pre, (before[1].post + after[1].post) / 2)
+        sim = simulate_like(with_turnaround(self.wl, path.turnaround, self.max_think_s), profile, pol, self.engines,
+                            self.rate, self.seed, 1e9)
+        cond = {**cond, "idle_path_pre_s": (before[1].pre + after[1].pre) / 2, "slowdown": factor,
+                "slowdown_before_after": [round(before[0].slowdown, 3), round(after[0].slowdown, 3)],
+                "tput_calibration": [run_tps(before[0].live), run_tps(after[0].live)]}
+        return RealPoint(pol, rep, live, sim, path, ct, cond)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -525,12 +550,14 @@ def conditions_table(rows: list[dict[str, Any]]) -> str:
     """What each replay ran under: the fitted engine slowdown and request path (calibration replay), the
     idle path, the machine's load, who used the CPU."""
     names = sorted({k for r in rows for k in r["cpu_s"]})
-    head = ["policy", "cal tok/s", "slowdown", "path pre (ms)", "base", "per in flight", "idle", "post (ms)",
+    head = ["policy", "cal tok/s before, after", "slowdown before, after: used", "path pre (ms)", "base", "per in flight", "idle", "post (ms)",
             "load avg 1m (start, end)", "replay wall (s)", *(f"CPU s {n}" for n in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         la = r["load_avg_1m"]
-        lines.append(f"| {r['policy']} #{r['repeat']} | {r['tput_calibration']:.0f} | {r['slowdown']:.2f} | "
+        ba, tc = r["slowdown_before_after"], r["tput_calibration"]
+        lines.append(f"| {r['policy']} #{r['repeat']} | {tc[0]:.0f}, {tc[1]:.0f} | {ba[0]:.2f}, {ba[1]:.2f}: "
+                     f"{r['slowdown']:.2f} | "
                      f"{r['path_pre_s'] * 1e3:.1f} | {r['path_base_s'] * 1e3:.1f} | "
                      f"{r['path_per_inflight_s'] * 1e3:.1f} | {r['idle_path_pre_s'] * 1e3:.1f} | "
                      f"{r['path_post_s'] * 1e3:.1f} | {la[0]:.1f}, {la[1]:.1f} | {r['replay_wall_s']:.1f} | "
