@@ -5,10 +5,14 @@
 For every replay (policy and repeat), the live records against simulations of the same workload:
   idle          the idle-engine profile, no request path (the validation before this model)
   + idle path   the idle profile, the request path measured with tiny requests one at a time
-  + slowdown    the profile slowed as the calibration replay measured, the idle path
-  fitted const  slowdown and a constant request path under load, both from the calibration replay
-  fitted        the same, the path before the first token growing with the requests in flight on the
-                serving engine (what `smetric sim validate` reports)
+  + slowdown    the profile slowed as the calibration replays around the replay measured, the idle path
+  before only, const    slowdown and a constant request path under load from the calibration replay
+                just before the replay alone (refitted from its records; the validation before this
+                round)
+  before only   the same, the path growing with the requests in flight on the serving engine
+  fitted const  slowdown and a constant path from the calibration replays before and after
+  fitted        the same, the path growing with the requests in flight on the serving engine (what
+                `smetric sim validate` reports)
   fitted, KV unbounded   the same with a KV cache no request evicts from: what the engines' small
                 KV capacity (``--num-gpu-blocks-override``) adds to the policies' differences
   common profile         the first replay's fitted profile and path for every replay: the policies'
@@ -16,7 +20,8 @@ For every replay (policy and repeat), the live records against simulations of th
 
 Then the TTFT per request: live against simulated (constant path and load-dependent path), by how many
 other requests were in flight on the serving engine when the request arrived (live count for the
-live column, simulated count for the simulated ones).
+live column, simulated count for the simulated ones). Last, each model's mean and largest |error|
+over the replays.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from smetric_lmc.replay.compare import with_kv_tokens
 from smetric_lmc.replay.runner import Record
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.replay.validate import (
+    CALIBRATION_POLICY,
     Contention,
+    RequestPath,
+    calibration_tags,
+    fit_under_load,
     inflight_on_instance,
     run_tps,
     simulate_like,
@@ -69,14 +78,21 @@ def main(work: Path) -> None:
     idle = load_profile(work / "calibrated.yaml")
     d = {k: v.default for k, v in inspect.signature(validate_real).parameters.items()}
     wl = small_workload(d["sessions"], d["turns"], d["context_scale"], d["output_scale"], d["seed"])
+    cal_wl = small_workload(d["sessions"], d["turns"], d["context_scale"], d["output_scale"], d["seed"] + 1)
     first = rows[0]
+    tags = calibration_tags(len(rows))
+    errors: dict[str, list[tuple[float, float]]] = {}
     common = load_profile(work / f"calibrated-under-load-{_tag(first)}.yaml")
     common_ct = Contention(first["path_base_s"], first["path_per_inflight_s"])
     print("| replay | model | tok/s sim | live | err | TTFT p50 sim (s) | live | err | local hit sim | live |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     per_request = []
-    for r in rows:
+    for k, r in enumerate(rows):
         pol, tag = r["policy"], _tag(r)
+        recs = [Record(**json.loads(x)) for x in (work / f"calibration-{tags[k]}.jsonl").open()]
+        before = fit_under_load(cal_wl, summarize_records(recs, policy=CALIBRATION_POLICY), idle,
+                                RequestPath(r["idle_path_pre_s"], r["path_post_s"]), CALIBRATION_POLICY, 2, d["rate"],
+                                d["seed"] + 1, d["max_think_s"])
         live = summarize_records([Record(**json.loads(x)) for x in (work / f"{tag}.jsonl").open()], policy=pol)
         loaded = load_profile(work / f"calibrated-under-load-{tag}.yaml")
         post = r["path_post_s"]
@@ -85,6 +101,8 @@ def main(work: Path) -> None:
         sims = []
         for name, prof, pre, path in (("idle", idle, None, None), ("+ idle path", idle, r["idle_path_pre_s"], None),
                                       ("+ slowdown", loaded, r["idle_path_pre_s"], None),
+                                      ("before only, const", before.profile, before.pre, Contention(before.pre, 0.0)),
+                                      ("before only", before.profile, before.pre, before.contention),
                                       ("fitted const", loaded, r["path_pre_s"], const),
                                       ("fitted", loaded, r["path_pre_s"], ct),
                                       ("fitted, KV unbounded", with_kv_tokens(loaded, 1 << 24), r["path_pre_s"], ct),
@@ -96,6 +114,7 @@ def main(work: Path) -> None:
             if name in ("fitted const", "fitted"):
                 sims.append((sim, path))
             lt, lf = run_tps(live), live.summary["ttft_p50"]
+            errors.setdefault(name, []).append((abs(tps / lt - 1), abs(ttft / lf - 1)))
             print(f"| {tag} | {name} | {tps:.0f} | {lt:.0f} | {tps / lt - 1:+.0%} | {ttft:.3f} | {lf:.3f} | "
                   f"{ttft / lf - 1:+.0%} | {sim.summary['hit_local']:.3f} | {live.summary['hit_local']:.3f} |")
         per_request.append((tag, _by_inflight(live, sims)))
@@ -103,6 +122,10 @@ def main(work: Path) -> None:
           "live / sim constant path / sim load-dependent path")
     for tag, lines in per_request:
         print(f"{tag}: " + "; ".join(lines))
+    print(f"\n|error| over the {len(rows)} replays: model | throughput mean, max | TTFT p50 mean, max")
+    for name, e in errors.items():
+        a = np.array(e)
+        print(f"| {name} | {a[:, 0].mean():.1%}, {a[:, 0].max():.1%} | {a[:, 1].mean():.1%}, {a[:, 1].max():.1%} |")
 
 
 if __name__ == "__main__":

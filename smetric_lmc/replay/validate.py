@@ -404,10 +404,11 @@ def validate_real(work: Path, *, engines: int = 2, policies: tuple[str, ...] = D
         order = run_order(policies, repeats)
         fits: list[tuple[LoadedFit, RequestPath]] = []  # the calibration replays, one before every replay and one after
         lives: list[tuple[SimResult, dict[str, Any]]] = []
+        tags = calibration_tags(len(order))
         for k, (pol, rep) in enumerate(order):
-            fits.append(slot.calibrate("before-first" if k == 0 else f"between-{k - 1}-{k}"))
+            fits.append(slot.calibrate(tags[k]))
             lives.append(slot.replay(pol, rep))
-        fits.append(slot.calibrate("after-last"))
+        fits.append(slot.calibrate(tags[-1]))
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=10.0)
@@ -460,6 +461,12 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
         "tput_live_by_repeat": {k: [round(x) for x in v] for k, v in by_pol.items()},
         **rank_fields(rows),
     }
+
+
+def calibration_tags(replays: int) -> list[str]:
+    """Names of the calibration replays around ``replays`` replays (``calibration-<tag>.jsonl``):
+    replay k runs between tags[k] and tags[k + 1]."""
+    return ["before-first", *(f"between-{k - 1}-{k}" for k in range(1, replays)), "after-last"]
 
 
 def bracketed(before: LoadedFit, after: LoadedFit, idle: Profile) -> tuple[Profile, float, float, Contention]:
