@@ -58,12 +58,19 @@ def _tag(r: dict[str, Any]) -> str:
     return f"{r['policy']}-r{r['repeat']}"
 
 
-def _by_inflight(live: SimResult, sims: list[tuple[SimResult, Contention]]) -> list[str]:
-    lk = inflight_on_instance(live)
+def _new_tokens(res: SimResult) -> np.ndarray:
+    return res.cols["input"] - res.cols["local_tokens"]
+
+
+def _by(live: SimResult, sims: list[tuple[SimResult, Contention]], of: Any,
+        edges: tuple[tuple[int, int], ...]) -> list[str]:
+    """TTFT p50 per bucket of ``of(result)`` (the live column bucketed by the live value, each
+    simulated one by its own)."""
+    lk = of(live)
     lt = live.cols["first_token"] - live.cols["arrival"]
-    got = [(inflight_on_instance(s), c.ttft(s)) for s, c in sims]
+    got = [(of(s), c.ttft(s)) for s, c in sims]
     out = []
-    for lo, hi in ((0, 1), (1, 2), (2, 4), (4, 1 << 30)):
+    for lo, hi in edges:
         cells = [f"{np.nanmedian(lt[(lk >= lo) & (lk < hi)]) * 1e3:.1f} ({int(((lk >= lo) & (lk < hi)).sum())})"
                  if ((lk >= lo) & (lk < hi)).any() else "-"]
         for k, t in got:
@@ -117,10 +124,15 @@ def main(work: Path) -> None:
             errors.setdefault(name, []).append((abs(tps / lt - 1), abs(ttft / lf - 1)))
             print(f"| {tag} | {name} | {tps:.0f} | {lt:.0f} | {tps / lt - 1:+.0%} | {ttft:.3f} | {lf:.3f} | "
                   f"{ttft / lf - 1:+.0%} | {sim.summary['hit_local']:.3f} | {live.summary['hit_local']:.3f} |")
-        per_request.append((tag, _by_inflight(live, sims)))
+        per_request.append((tag, _by(live, sims, inflight_on_instance, ((0, 1), (1, 2), (2, 4), (4, 1 << 30))),
+                            _by(live, sims, _new_tokens, ((0, 64), (64, 512), (512, 1 << 30)))))
     print("\nTTFT p50 (ms, requests) by other requests in flight on the serving engine at arrival: "
           "live / sim constant path / sim load-dependent path")
-    for tag, lines in per_request:
+    for tag, lines, _ in per_request:
+        print(f"{tag}: " + "; ".join(lines))
+    print("\nTTFT p50 (ms, requests) by prompt tokens not cached (prefilled): live / sim constant path / "
+          "sim load-dependent path")
+    for tag, _, lines in per_request:
         print(f"{tag}: " + "; ".join(lines))
     print(f"\n|error| over the {len(rows)} replays: model | throughput mean, max | TTFT p50 mean, max")
     for name, e in errors.items():
