@@ -17,6 +17,9 @@ For every replay (policy and repeat), the live records against simulations of th
                 KV capacity (``--num-gpu-blocks-override``) adds to the policies' differences
   common profile         the first replay's fitted profile and path for every replay: the policies'
                 differences without the load drifting between their calibration replays
+  oracle speed  NOT a prediction: slowdown and path fitted on this replay itself (its decode time per
+                token and TTFT p50, so its TTFT error is ~0 by construction); what throughput and
+                local hit the model gives when it knows how fast the engines ran during the replay
 
 Then the TTFT per request: live against simulated (constant path and load-dependent path), by how many
 other requests were in flight on the serving engine when the request arrived (live count for the
@@ -80,6 +83,12 @@ def _by(live: SimResult, sims: list[tuple[SimResult, Contention]], of: Any,
     return out
 
 
+def _oracle(wl: Any, live: SimResult, idle: Any, r: dict[str, Any], d: dict[str, Any]) -> tuple[Any, float, Contention]:
+    fit = fit_under_load(wl, live, idle, RequestPath(r["idle_path_pre_s"], r["path_post_s"]), r["policy"], 2,
+                         d["rate"], d["seed"], d["max_think_s"])
+    return fit.profile, fit.pre, Contention(fit.pre, 0.0)
+
+
 def main(work: Path) -> None:
     rows = json.loads((work / "validation.json").read_text())
     idle = load_profile(work / "calibrated.yaml")
@@ -113,7 +122,8 @@ def main(work: Path) -> None:
                                       ("fitted const", loaded, r["path_pre_s"], const),
                                       ("fitted", loaded, r["path_pre_s"], ct),
                                       ("fitted, KV unbounded", with_kv_tokens(loaded, 1 << 24), r["path_pre_s"], ct),
-                                      ("common profile", common, first["path_pre_s"], common_ct)):
+                                      ("common profile", common, first["path_pre_s"], common_ct),
+                                      ("oracle speed", *_oracle(wl, live, idle, r, d))):
             turn = 0.0 if pre is None else pre + post
             sim = simulate_like(with_turnaround(wl, turn, 0.0), prof, pol, 2, d["rate"], d["seed"], 1e9)
             tps = run_tps(sim, 0.0 if pre is None else post)
