@@ -24,7 +24,8 @@ For every replay (policy and repeat), the live records against simulations of th
 Then the TTFT per request: live against simulated (constant path and load-dependent path), by how many
 other requests were in flight on the serving engine when the request arrived (live count for the
 live column, simulated count for the simulated ones). Last, each model's mean and largest |error|
-over the replays.
+over the replays, and the simulated local hit and throughput of each policy as the engines slow
+down (the idle profile, 2x to 12x slower; the request path of the first replay).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from smetric_lmc.replay.validate import (
     inflight_on_instance,
     run_tps,
     simulate_like,
+    slowed,
     small_workload,
     validate_real,
     with_turnaround,
@@ -148,6 +150,14 @@ def main(work: Path) -> None:
     for name, e in errors.items():
         a = np.array(e)
         print(f"| {name} | {a[:, 0].mean():.1%}, {a[:, 0].max():.1%} | {a[:, 1].mean():.1%}, {a[:, 1].max():.1%} |")
+    print("\nsimulated local hit, tok/s as the engines slow down (x the idle iteration time):")
+    turn = first["path_pre_s"] + first["path_post_s"]
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        cells = []
+        for f in (2.0, 3.5, 5.0, 8.0, 12.0):
+            sim = simulate_like(with_turnaround(wl, turn, 0.0), slowed(idle, f), pol, 2, d["rate"], d["seed"], 1e9)
+            cells.append(f"x{f:g}: {sim.summary['hit_local']:.3f}, {run_tps(sim):.0f}")
+        print(f"{pol}: " + " | ".join(cells))
 
 
 if __name__ == "__main__":
