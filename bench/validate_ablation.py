@@ -38,23 +38,19 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.replay.compare import with_kv_tokens
+from smetric_lmc.replay.compare import simulate_like, with_kv_tokens
 from smetric_lmc.replay.runner import Record
 from smetric_lmc.replay.summary import summarize_records
-from smetric_lmc.replay.validate import (
-    CALIBRATION_POLICY,
+from smetric_lmc.replay.under_load import (
     Contention,
     RequestPath,
-    calibration_tags,
     fit_under_load,
     inflight_on_instance,
     run_tps,
-    simulate_like,
     slowed,
-    small_workload,
-    validate_real,
     with_turnaround,
 )
+from smetric_lmc.replay.validate import CALIBRATION_POLICY, calibration_tags, small_workload, validate_real
 from smetric_lmc.sim.metrics import SimResult
 from smetric_lmc.sim.profile import load_profile
 

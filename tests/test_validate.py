@@ -15,7 +15,7 @@ from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
 from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
 from smetric_lmc.replay.ranking import rank_fields, rank_pairs, run_order, spread
-from smetric_lmc.replay.validate import (
+from smetric_lmc.replay.under_load import (
     Contention,
     LoadedFit,
     RequestPath,
@@ -24,12 +24,10 @@ from smetric_lmc.replay.validate import (
     fit_contention,
     fit_under_load,
     inflight_on_instance,
-    measure_path,
     slowed,
-    small_workload,
-    summarize_repeats,
     with_turnaround,
 )
+from smetric_lmc.replay.validate import measure_path, small_workload, summarize_repeats
 from smetric_lmc.sim.profile import load_profile
 
 # Two lines as vLLM 0.32's API server logs them at startup (shortened; the dict is its repr).
