@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +259,32 @@ def test_a_replay_is_simulated_with_the_mean_of_the_calibrations_around_it() -> 
     assert factor == pytest.approx(2.0) and pre == pytest.approx(0.03)
     assert ct == Contention(pytest.approx(0.02), pytest.approx(0.006))
     assert prof.iteration_time([(256, 0)], 2, 512) == pytest.approx(2 * idle.iteration_time([(256, 0)], 2, 512))
+
+
+def test_caches_are_reset_only_once_the_engine_has_no_request_holding_blocks() -> None:
+    """vLLM refuses ``/reset_prefix_cache`` while a request holds blocks (so does the mock engine):
+    the reset between replays retries until it is accepted, then the engine holds nothing; an
+    engine that stays busy past the timeout is an error, not a silently skipped reset."""
+    import aiohttp
+
+    from smetric_lmc.replay.validate import _reset_caches
+
+    async def serve() -> None:
+        async with running_mocks(options(speed=2.0)) as mocks:
+            inst, core = mocks[0]
+            body = {"model": inst.model, "prompt": list(range(100, 420)), "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{inst.http_url}/v1/completions", json=body) as r:
+                    await r.content.readline()  # streaming: the request holds its blocks now
+                    assert core.running
+                    with pytest.raises(RuntimeError, match="refused to reset"):
+                        await asyncio.to_thread(_reset_caches, [inst], 0.3)
+                    reset = asyncio.create_task(asyncio.to_thread(_reset_caches, [inst], 60.0))
+                    await r.read()
+                    ended = time.monotonic()
+                await reset
+                assert time.monotonic() >= ended and not core.running
+                assert not core.cached_block_hashes()
+
+    asyncio.run(serve())
