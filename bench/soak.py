@@ -498,6 +498,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         soak = await load_soak(app, args, lag)
         unanswered += sum(r["unanswered"] for r in soak["phases"].values())
         rss_held, held, heap_held = rss_mb(), len(app.load), heap_mb()
+        if args.tracemalloc:
+            print("-- held vs start --", file=sys.stderr)
+            for stat in tracemalloc.take_snapshot().compare_to(snap0, "lineno")[:12]:
+                print(stat, file=sys.stderr)
+            print("-- end vs start --", file=sys.stderr)
         grace = app.cfg.load.lost_done_grace_s or 0.0
         give_up = time.perf_counter() + grace + 10.0
         lag["phase"] = "expiry"
@@ -507,6 +512,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.settle_s)  # idle: the controller's periodic malloc_trim runs
         lag_task.cancel()
         rss1, heap1 = rss_mb(), heap_mb()
+        if args.diag_end:  # diagnosis only, after the reading above: what a collection and a trim give back
+            gc.collect()
+            diag = {"after_gc": (round(rss_mb(), 1), heap_mb())}
+            from smetric_lmc.controller.memory import malloc_trim
+
+            malloc_trim()
+            diag["after_trim"] = (round(rss_mb(), 1), heap_mb())
+            print(f"diag_end: {diag}", file=sys.stderr)
         samples = None
         if sampler is not None:
             sampler_conn.send("stop")
@@ -591,6 +604,8 @@ def main() -> None:
                    help="the controller's malloc_trim gate (controller/memory.py); 0 trims every period")
     p.add_argument("--sample-loop", action="store_true",
                    help="diagnosis: a process samples the loop thread's system call every ms (see worst_stalls)")
+    p.add_argument("--diag-end", action="store_true",
+                   help="diagnosis: after the final RSS reading, print RSS after a full GC and after a malloc_trim")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="diagnosis: trace Python allocations (slow) and print the top growth by line")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])

@@ -6,6 +6,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..tables import compacted
+
+#: Pending entries one :meth:`Pending.expire` call drops at most (~1 us each): a slice of the loop
+#: even when a whole burst's prompts fall due together after an idle spell.
+EXPIRE_SLICE = 4096
+#: Drops between two checks for maps that shrank (``smetric_lmc.tables``).
+COMPACT_EVERY = 1024
+
 
 def _anchor(length: int) -> int:
     """Where a pending prompt of ``length`` blocks is filed: a multiple of 64 blocks (1k tokens
@@ -47,6 +55,7 @@ class Pending:
         # ~100 ms gen-0 collection, see smetric_lmc/load.py). Floats and ints are untracked.
         self.queue: deque[float | int] = deque()
         self.added = self.confirmed = self.expired = 0
+        self._dropped = 0  # since the last check for shrunken maps
 
     def __bool__(self) -> bool:
         return bool(self.by_last)
@@ -83,6 +92,17 @@ class Pending:
             self.anchors[pos] = left
         else:
             del self.anchors[pos]
+        self._dropped += 1
+
+    def _maybe_compact(self) -> None:
+        """Right-size the maps after many drops: a dict keeps the table of its peak (one entry
+        per distinct prompt routed within ``ttl_s``) until an insertion resizes it, so an idle
+        controller kept a busy spell's tables for good."""
+        if self._dropped >= COMPACT_EVERY:
+            self._dropped = 0
+            self.by_last = compacted(self.by_last)
+            self.meta = compacted(self.meta)
+            self.by_anchor = compacted(self.by_anchor)
 
     def confirm(self, slot: int, hashes: Sequence[int]) -> None:
         by_last = self.by_last
@@ -90,16 +110,21 @@ class Pending:
             if slot in by_last[h]:
                 self._drop(h, slot)
                 self.confirmed += 1
+        self._maybe_compact()
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float, budget: int = EXPIRE_SLICE) -> None:
+        """Drop entries past their deadline, looking at up to ``budget`` queued ones (the rest,
+        if any, stay due: :meth:`next_deadline` is then already past)."""
         q = self.queue
         pop = q.popleft
-        while q and q[0] <= now:
+        while q and q[0] <= now and budget > 0:
+            budget -= 1
             deadline, slot, last = pop(), pop(), pop()
             entry = self.by_last.get(last)
             if entry is not None and entry.get(slot) == deadline:
                 self._drop(last, slot)
                 self.expired += 1
+        self._maybe_compact()
 
     def next_deadline(self) -> float:
         return float(self.queue[0]) if self.queue else float("inf")
@@ -107,6 +132,7 @@ class Pending:
     def drop_slot(self, slot: int) -> None:
         for last in [h for h, slots in self.by_last.items() if slot in slots]:
             self._drop(last, slot)
+        self._maybe_compact()
 
     def credits(self, chain: Sequence[int]) -> list[tuple[int, int]]:
         """(slot, pending blocks) for every pending prompt ``chain`` extends."""
