@@ -33,7 +33,14 @@ counts what the controller received (its own counters), not what was sent;
 this includes the OS running other processes); ``max_loop_stall_loop_cpu_ms`` is how much of that
 the loop's thread spent on CPU, ``max_loop_busy_ms`` the most CPU the loop's thread spent beyond
 the period in any one timer wait (its own work, whatever the machine's load), and
-``max_gc_pause_ms`` / ``max_gc_pause_cpu_ms`` the longest cyclic-GC pause, wall and CPU. Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
+``max_gc_pause_ms`` / ``max_gc_pause_cpu_ms`` the longest cyclic-GC pause, wall and CPU;
+``max_loop_stall_trim_ms`` how long ``malloc_trim`` calls (controller/memory.py) overlapping
+that stall took. The report's ``worst_stalls`` explains the five worst: loop CPU, the loop
+thread's run-queue wait (the OS running other processes: on this bench's 2 shared cores, mostly
+its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call);
+``--sample-loop`` adds the system calls it was in. ``heap_mb`` shows where RSS sits (glibc in
+use / free, pymalloc arenas against the blocks in use in them; see bench/inflight_bytes.py for
+why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
 <= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
 restart, soak p99 <= 5 ms, routes/s growing with replicas.
 """
