@@ -44,10 +44,11 @@ class Pending:
         # last -> anchor hash << 32 | length: one int, not a (length, anchor) tuple, which is
         # GC-tracked when made (see ``queue``).
         self.meta: dict[int, int] = {}
-        # anchor block hash -> last hashes filed there. Inner dicts (values None), not sets: a dict
-        # of ints is not tracked by the cyclic GC, a set always is, and a busy controller holds
-        # one per routed prompt for ``ttl_s``: every full collection walked them all.
-        self.by_anchor: dict[int, dict[int, None]] = {}
+        # anchor block hash -> the last hash filed there (an int: the usual case, one prompt per
+        # anchor, costs no container) or, once several are, a dict of them (values None). Dicts,
+        # not sets: a dict of ints is not tracked by the cyclic GC, a set always is, and a busy
+        # controller holds one per routed prompt for ``ttl_s``: every full collection walked them.
+        self.by_anchor: dict[int, int | dict[int, None]] = {}
         self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
         # Flat (deadline, slot, last, deadline, slot, last, ...), not a tuple per entry: tuples
         # are GC-tracked when made, and one per route freed by expiry as new ones are made kept
@@ -67,7 +68,7 @@ class Pending:
             pos = _anchor(len(chain))
             entry = self.by_last[last] = {}
             self.meta[last] = chain[pos - 1] << 32 | len(chain)
-            self.by_anchor.setdefault(chain[pos - 1], {})[last] = None
+            self._file(chain[pos - 1], last)
             self.anchors[pos] = self.anchors.get(pos, 0) + 1
         deadline = now + self.ttl_s
         entry[slot] = deadline
@@ -83,9 +84,15 @@ class Pending:
         packed = self.meta.pop(last)
         length, anchor = packed & _LENGTH, packed >> 32
         filed = self.by_anchor[anchor]
-        filed.pop(last, None)
-        if not filed:
-            del self.by_anchor[anchor]
+        if type(filed) is not dict:
+            if filed == last:
+                del self.by_anchor[anchor]
+        else:
+            filed.pop(last, None)
+            if len(filed) == 1:  # back to the single-int form
+                self.by_anchor[anchor] = next(iter(filed))
+            elif not filed:
+                del self.by_anchor[anchor]
         pos = _anchor(length)
         left = self.anchors[pos] - 1
         if left:
@@ -93,6 +100,16 @@ class Pending:
         else:
             del self.anchors[pos]
         self._dropped += 1
+
+    def _file(self, anchor: int, last: int) -> None:
+        filed = self.by_anchor.get(anchor)
+        if filed is None:
+            self.by_anchor[anchor] = last
+        elif type(filed) is not dict:
+            if filed != last:
+                self.by_anchor[anchor] = {filed: None, last: None}
+        else:
+            filed[last] = None
 
     def _maybe_compact(self) -> None:
         """Right-size the maps after many drops: a dict keeps the table of its peak (one entry
@@ -142,8 +159,8 @@ class Pending:
         for pos in self.anchors:
             if pos <= n:
                 filed = by_anchor.get(chain[pos - 1])
-                if filed:
-                    for last in filed:
+                if filed is not None:
+                    for last in (filed if type(filed) is dict else (filed,)):
                         length = meta[last] & _LENGTH
                         if length <= n and chain[length - 1] == last:
                             out.extend((slot, length) for slot in by_last[last])

@@ -135,3 +135,24 @@ def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
     assert tr.stats["trims"] == trims + 1 and tr.stats["max_trim_ms"] > 0
     a, b = tr.spans[-1]
     assert tr.overlapping(a, b) and not tr.overlapping(b + 1, b + 2)
+
+
+def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
+    """Prompts sharing an anchor block are filed in a dict, a lone one as a bare int (no 1-entry
+    dict per routed prompt); credits are the same either way, through both transitions."""
+    from smetric_lmc.index.side import Pending
+
+    p = Pending(10.0)
+    base = [11, 12, 13, 14]  # 5-block prompts are anchored at block 4 (hash 14)
+    a, b = [*base, 101], [*base, 202]
+    p.add(0, a, 0.0)
+    assert p.by_anchor[14] == 101
+    p.add(1, b, 0.0)
+    assert p.by_anchor[14] == {101: None, 202: None}
+    assert sorted(p.credits([*a, 7])) == [(0, 5)] and sorted(p.credits(b)) == [(1, 5)]
+    p.confirm(0, a)
+    assert p.by_anchor[14] == 202 and p.credits(a) == [] and p.credits(b) == [(1, 5)]
+    p.add(2, b, 1.0)  # a second instance on the same prompt: still one filed last
+    assert p.by_anchor[14] == 202 and sorted(p.credits(b)) == [(1, 5), (2, 5)]
+    p.expire(20.0)
+    assert not p.by_anchor and not p.by_last and not p.meta and p.credits(b) == []
