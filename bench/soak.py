@@ -109,6 +109,7 @@ def _exchange(sock: zmq.Socket, messages: list[list[bytes]], bar: Any, window: i
 def storm(endpoints: dict[str, str], n: int, huge_share: float, seed: int, conn: Connection) -> None:
     from tqdm import tqdm
 
+    soak_load.lower_priority()  # the controller does not share cores with its attackers in production
     rng = random.Random(seed)
     ctx = zmq.Context()
     counts = {k: int(n * share) for k, share in SHARES.items()}
