@@ -17,7 +17,14 @@ on that lock for the whole walk (no CPU spent, the loop stalled: bench/soak.py s
 with 2-3 ms of loop CPU, each overlapping a trim). An ungated trim every 5 s repeats that walk even
 when nothing was freed since the last one (already-returned pages are walked and advised again).
 ``mallinfo2`` reads the free total (a walk of the bins without syscalls, ~100x cheaper), so a trim
-runs only after a burst actually left ``min_free`` bytes more free than the last trim left.
+runs only after a burst actually left ``min_free`` bytes more free than the last trim left (or,
+while that much is free at all, once a minute: pages reused and freed again between two checks).
+
+Measured (bench/soak.py ``worst_stalls``, ``--sample-loop``): with pymalloc, trims take 1-13 ms and
+none overlapped the soak's worst stalls (those were the bench joining its child processes on the
+loop, then run-queue waits); under ``PYTHONMALLOC=malloc`` the heap holds every small object and a
+trim took ~48 ms, during which the loop slept on the arena lock (20-25 ms stalls with 0.4 ms of
+loop CPU): the gate matters there.
 """
 
 from __future__ import annotations
@@ -91,9 +98,15 @@ class Trimmer:
     included), so a loop-stall probe can tell whether a stall overlapped one; ``stats`` counts
     trims and skips and keeps the longest trim's and the longest check's duration."""
 
-    def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024) -> None:
+    def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024,
+                 max_skip_s: float = 60.0) -> None:
         self.interval_s = interval_s
         self.min_free = min_free
+        # Free memory reused and freed again between two checks leaves the free total where the
+        # last trim left it, with its pages resident again: at most this long without a trim
+        # while ``min_free`` bytes are free at all.
+        self.max_skip_s = max_skip_s
+        self._last_trim = time.monotonic()
         self.spans: deque[tuple[float, float]] = deque(maxlen=keep)
         self.stats = {"trims": 0, "skipped": 0, "max_trim_ms": 0.0, "total_trim_ms": 0.0, "max_check_ms": 0.0}
         self._libc = _libc()
@@ -108,7 +121,9 @@ class Trimmer:
         free = int(info.fordblks)
         if free < self._free_after:  # reused since: count growth from the lower level
             self._free_after = free
-        return free - self._free_after >= self.min_free
+        if free - self._free_after >= self.min_free:
+            return True
+        return free >= self.min_free and time.monotonic() - self._last_trim >= self.max_skip_s
 
     def trim_now(self) -> bool:
         """``malloc_trim(0)`` if :meth:`due`, timed; runs in the caller's thread."""
@@ -122,6 +137,7 @@ class Trimmer:
             self.stats["max_check_ms"] = max(self.stats["max_check_ms"], (t1 - t0) * 1000)
             return False
         released = bool(self._libc.malloc_trim(0))
+        self._last_trim = time.monotonic()
         if self._gated:
             self._free_after = int(self._libc.mallinfo2().fordblks)
         t1 = time.perf_counter()

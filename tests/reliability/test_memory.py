@@ -123,16 +123,19 @@ def test_pending_prompts_expire_on_an_idle_index_and_release_their_tables() -> N
 def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
     tr = memory.Trimmer(min_free=4 << 20)
     tr.trim_now()  # whatever the test process freed before
+    tr.trim_now()
     assert tr.trim_now() is False and tr.stats["skipped"] >= 1  # nothing freed since
     assert len(tr.spans) >= 2 and all(b >= a for a, b in tr.spans)
-    pins, bufs = [], []
-    for _ in range(64):  # 64 x 100 kB below any mmap threshold, each pinned by a small live object
-        bufs.append(bytearray(100_000))
-        pins.append(bytearray(600))
+    # 64 x 100 kB below any mmap threshold (they fill the heap's holes first, then its top), then
+    # a live 200 kB block above them: freed, they cannot go back with the heap's top by themselves.
+    bufs = [bytearray(100_000) for _ in range(64)]
+    pin = bytearray(200_000)
+    tr.due()  # the periodic check sees the free total while the buffers are in use
     del bufs
     trims = tr.stats["trims"]
     tr.trim_now()
-    assert tr.stats["trims"] == trims + 1 and tr.stats["max_trim_ms"] > 0
+    assert tr.stats["trims"] == trims + 1 and tr.stats["max_trim_ms"] > 0, memory.heap_info()
+    del pin
     a, b = tr.spans[-1]
     assert tr.overlapping(a, b) and not tr.overlapping(b + 1, b + 2)
 
@@ -156,3 +159,15 @@ def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
     assert p.by_anchor[14] == 202 and sorted(p.credits(b)) == [(1, 5), (2, 5)]
     p.expire(20.0)
     assert not p.by_anchor and not p.by_last and not p.meta and p.credits(b) == []
+
+
+@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+def test_trimmer_trims_at_least_every_max_skip_while_memory_is_free() -> None:
+    tr = memory.Trimmer(min_free=1, max_skip_s=3600.0)
+    tr.trim_now()
+    tr.trim_now()
+    assert tr.stats["skipped"] >= 1  # no growth since the last trim, and within max_skip_s
+    stale = memory.Trimmer(min_free=1, max_skip_s=0.0)
+    stale.trim_now()
+    stale.trim_now()
+    assert stale.stats["trims"] == 2 and stale.stats["skipped"] == 0
