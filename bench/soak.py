@@ -33,7 +33,14 @@ counts what the controller received (its own counters), not what was sent;
 this includes the OS running other processes); ``max_loop_stall_loop_cpu_ms`` is how much of that
 the loop's thread spent on CPU, ``max_loop_busy_ms`` the most CPU the loop's thread spent beyond
 the period in any one timer wait (its own work, whatever the machine's load), and
-``max_gc_pause_ms`` / ``max_gc_pause_cpu_ms`` the longest cyclic-GC pause, wall and CPU. Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
+``max_gc_pause_ms`` / ``max_gc_pause_cpu_ms`` the longest cyclic-GC pause, wall and CPU;
+``max_loop_stall_trim_ms`` how long ``malloc_trim`` calls (controller/memory.py) overlapping
+that stall took. The report's ``worst_stalls`` explains the five worst: loop CPU, the loop
+thread's run-queue wait (the OS running other processes: on this bench's 2 shared cores, mostly
+its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call);
+``--sample-loop`` adds the system calls it was in. ``heap_mb`` shows where RSS sits (glibc in
+use / free, pymalloc arenas against the blocks in use in them; see bench/inflight_bytes.py for
+why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
 <= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
 restart, soak p99 <= 5 ms, routes/s growing with replicas.
 """
@@ -49,6 +56,7 @@ import multiprocessing as mp
 import random
 import sys
 import time
+import tracemalloc
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -101,6 +109,7 @@ def _exchange(sock: zmq.Socket, messages: list[list[bytes]], bar: Any, window: i
 def storm(endpoints: dict[str, str], n: int, huge_share: float, seed: int, conn: Connection) -> None:
     from tqdm import tqdm
 
+    soak_load.lower_priority()  # the controller does not share cores with its attackers in production
     rng = random.Random(seed)
     ctx = zmq.Context()
     counts = {k: int(n * share) for k, share in SHARES.items()}
@@ -157,17 +166,144 @@ class CrashCounter(logging.Handler):
             self.crashes += 1
 
 
-async def loop_lag(state: dict[str, float], period_s: float = 0.005) -> None:
+def _run_delay_reader() -> Any:
+    """A reader of the calling thread's run-queue wait so far (s): the time the OS kept it ready
+    but not running (``/proc/thread-self/schedstat``, field 2); a reader of 0.0 where absent."""
+    import os
+
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return lambda: 0.0
+    return lambda: int(os.pread(fd, 128, 0).split()[1]) / 1e9
+
+
+async def loop_lag(state: dict[str, Any], period_s: float = 0.005, top: int = 5) -> None:
     """Worst lateness of a timer on the loop (wall), and how much of it the loop's thread spent on
-    CPU: on a shared machine a late timer can be the OS scheduling other processes, not loop work."""
+    CPU: on a shared machine a late timer can be the OS scheduling other processes, not loop work.
+    ``state["worst"]`` keeps the ``top`` worst waits as (late, loop CPU, run-queue wait, start,
+    end, phase), times from ``perf_counter``, so :func:`explain_stalls` can say what they were:
+    the loop's own work (CPU), the OS running something else (run-queue wait: preemption), or
+    the thread asleep (the rest: a lock, the GIL held by another thread, a blocking call)."""
+    worst: list[tuple[float, float, float, float, float, str]] = state.setdefault("worst", [])
+    run_delay = _run_delay_reader()
     while True:
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, q0, phase = time.perf_counter(), time.thread_time(), run_delay(), state.get("phase", "")
         await asyncio.sleep(period_s)
-        late = time.perf_counter() - t0 - period_s
+        t1 = time.perf_counter()
+        late, cpu = t1 - t0 - period_s, time.thread_time() - c0
         if late > state["max"]:
             state["max"] = late
-            state["max_cpu"] = time.thread_time() - c0
-        state["max_busy"] = max(state.get("max_busy", 0.0), time.thread_time() - c0 - period_s)
+            state["max_cpu"] = cpu
+        if len(worst) < top or late > worst[-1][0]:
+            worst.append((late, cpu, run_delay() - q0, t0, t1, phase))
+            worst.sort(reverse=True)
+            del worst[top:]
+        state["max_busy"] = max(state.get("max_busy", 0.0), cpu - period_s)
+
+
+def sample_syscalls(tid: int, conn: Connection, period_s: float = 0.001) -> None:
+    """Diagnosis (``--sample-loop``), in its own process: every ``period_s`` read which system
+    call the loop's thread ``tid`` is in (``/proc/<tid>/syscall``: 232 epoll_wait is idle, 202
+    futex a lock or the GIL, "running" on CPU), kept as (perf_counter, call) when it changes;
+    sends the list when told to stop."""
+    path = f"/proc/{tid}/syscall"
+    seen: list[tuple[float, str]] = []
+    last = ""
+    while not conn.poll(0):
+        try:
+            with open(path) as f:
+                now = f.read().split()
+        except OSError:
+            break
+        call = now[0] if now else "?"
+        if call == "202":
+            call = f"futex {now[1]} op {now[2]}"  # the lock's address tells the GIL from malloc's
+        elif call == "7":  # poll: on which file, with which timeout
+            call = f"poll {_polled_fd(tid, int(now[1], 16))} nfds {int(now[2], 16)} timeout {int(now[3], 16)}"
+        if call != last:
+            seen.append((time.perf_counter(), call))
+            last = call
+        time.sleep(period_s)
+    conn.send(seen)
+
+
+def _polled_fd(tid: int, pollfds: int) -> str:
+    """What the first ``struct pollfd`` at ``pollfds`` in thread ``tid``'s memory refers to."""
+    import os
+
+    try:
+        with open(f"/proc/{tid}/mem", "rb") as mem:
+            mem.seek(pollfds)
+            fd = int.from_bytes(mem.read(4), "little", signed=True)
+        return f"fd {fd} -> {os.readlink(f'/proc/{tid}/fd/{fd}')}"
+    except (OSError, ValueError) as exc:
+        return f"? ({type(exc).__name__})"
+
+
+def calls_during(samples: list[tuple[float, str]], t0: float, t1: float) -> dict[str, float]:
+    """ms the sampled thread spent in each call within ``[t0, t1]``."""
+    out: dict[str, float] = {}
+    for (ta, call), (tb, _) in zip(samples, [*samples[1:], (float("inf"), "")]):
+        a, b = max(ta, t0), min(tb, t1)
+        if b > a:
+            out[call] = round(out.get(call, 0.0) + (b - a) * 1000, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:4])
+
+
+def explain_stalls(worst: list[tuple[float, float, float, float, float, str]], trimmer: Any,
+                   samples: list[tuple[float, str]] | None = None) -> list[dict[str, Any]]:
+    """The worst timer waits: wall late, the loop thread's CPU and run-queue wait meanwhile (see
+    :func:`loop_lag`), the bench step then, and the ``malloc_trim`` calls (controller/memory.py)
+    that overlapped them, with their durations."""
+    out = []
+    for late, cpu, queued, t0, t1, phase in worst:
+        trims = trimmer.overlapping(t0, t1)
+        out.append({"late_ms": round(late * 1000, 1), "loop_cpu_ms": round(cpu * 1000, 1),
+                    "run_queue_ms": round(queued * 1000, 1), "phase": phase,
+                    "trims_overlapping_ms": [round((b - a) * 1000, 1) for a, b in trims]})
+        if samples:
+            out[-1]["syscalls_ms"] = calls_during(samples, t0, t1)
+    return out
+
+
+def heap_mb() -> dict[str, float]:
+    """glibc heap (in use, free) and pymalloc arenas, in MB: where RSS sits."""
+    from smetric_lmc.controller.memory import heap_info
+
+    out: dict[str, float] = {}
+    info = heap_info()
+    if info is not None:
+        out.update(malloc_used=info["uordblks"] / 2**20, malloc_free=info["fordblks"] / 2**20,
+                   malloc_mmapped=info["hblkhd"] / 2**20)
+    arenas, used = pymalloc_stats()
+    out.update(pymalloc_arenas=arenas / 2**20, pymalloc_used=used / 2**20)
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def pymalloc_stats() -> tuple[int, int]:
+    """pymalloc's (bytes in arenas, bytes in allocated blocks) now, from its own statistics
+    (``sys._debugmallocstats`` writes them to the C-level stderr, captured through a temp file):
+    arenas far above the blocks in them is fragmentation (an arena is freed only when empty)."""
+    import os
+    import re
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read()
+    got = [re.search(pat, text) for pat in (r"arenas \* \d+ bytes/arena\s*=\s*([\d,]+)",
+                                            r"# bytes in allocated blocks\s*=\s*([\d,]+)")]
+    arenas, used = (int(m.group(1).replace(",", "")) if m else -1 for m in got)
+    return arenas, used
 
 
 def gc_pauses(state: dict[str, float]) -> None:
@@ -211,28 +347,36 @@ def received(app: ControllerApp) -> dict[str, int]:
     }
 
 
-async def _in_child(target: Any, *args: Any) -> Any:
-    """Run ``target(*args, conn)`` in a spawned process and return what it sends."""
+async def _in_child(lag: dict[str, Any], label: str, target: Any, *args: Any) -> Any:
+    """Run ``target(*args, conn)`` in a spawned process and return what it sends; ``lag["phase"]``
+    names the step, for :func:`explain_stalls`."""
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=target, args=(*args, child))
-    proc.start()
+    loop = asyncio.get_running_loop()
+    # Start and join off the loop: join waits in poll() on the child's sentinel while the child
+    # shuts down (seen: 50-230 ms with the loop's thread asleep, the soak's worst "stall").
+    lag["phase"] = f"{label}:start"
+    await loop.run_in_executor(None, proc.start)
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        lag["phase"] = f"{label}:run"
+        return await loop.run_in_executor(None, parent.recv)
     finally:
-        proc.join(30)
+        lag["phase"] = f"{label}:join"
+        await loop.run_in_executor(None, proc.join, 30)
+        lag["phase"] = "idle"
 
 
-async def load_soak(app: ControllerApp, args: argparse.Namespace) -> dict[str, Any]:
+async def load_soak(app: ControllerApp, args: argparse.Namespace, lag: dict[str, Any]) -> dict[str, Any]:
     endpoint = app.service.endpoint or ""
-    ceiling = await _in_child(soak_load.calibrate, endpoint, args.calibrate_s, 16)
+    ceiling = await _in_child(lag, "calibrate", soak_load.calibrate, endpoint, args.calibrate_s, 16)
     rate = args.rate or max(50.0, round(ceiling / 2))
     phases = {}
     for name, seconds, done in (("with_done", args.soak_s, True), ("without_done", args.no_done_s, False)):
         if seconds <= 0:
             continue
         print(f"soak {name}: {rate:.0f} routes/s for {seconds:.0f} s", file=sys.stderr)
-        phases[name] = await _in_child(soak_load.load_client, endpoint, rate, seconds, done)
+        phases[name] = await _in_child(lag, name, soak_load.load_client, endpoint, rate, seconds, done)
         phases[name]["in_flight_after"] = len(app.load)
     return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "phases": phases}
 
@@ -308,10 +452,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # The engine side binds first so the subscriber's connect finds it.
     proc = None
     app: ControllerApp | None = None
-    lag = {"max": 0.0}
+    lag: dict[str, Any] = {"max": 0.0}
     elapsed = 0.0
     try:
         app = ControllerApp(parse_config(cfg), enable_metrics_http=False)
+        if args.trim_min_free_mb is not None:
+            app.trimmer.min_free = int(args.trim_min_free_mb * 2**20)
         await app.start()
         endpoints.update(route=app.service.endpoint or "", lmcache_pull=app.lmcache_server.endpoints["pull"],
                          lmcache_reply=app.lmcache_server.endpoints["reply"])
@@ -320,8 +466,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, parent.recv)  # "bound"
         await asyncio.sleep(0.5)  # warm-up: the subscription reaches the peer
-        rss0 = rss_mb()
+        rss0, heap0 = rss_mb(), heap_mb()
+        if args.tracemalloc:
+            tracemalloc.start(args.tracemalloc)
+            snap0 = tracemalloc.take_snapshot()
         gc_pauses(lag)
+        lag["phase"] = "storm"
+        sampler = None
+        if args.sample_loop:
+            import threading
+
+            sampler_conn, sampler_child = spawn.Pipe()
+            sampler = spawn.Process(target=sample_syscalls, args=(threading.get_native_id(), sampler_child))
+            sampler.start()
         lag_task = asyncio.create_task(loop_lag(lag))
         t0 = time.perf_counter()
         result = await loop.run_in_executor(None, parent.recv)
@@ -333,6 +490,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if now != last:
                 last, stable_since = now, time.perf_counter()
         elapsed = time.perf_counter() - t0 - 2.0
+        lag["phase"] = "after storm"
         got = received(app)  # before the valid route below adds one
         unanswered = result["unanswered"]
         try:
@@ -343,18 +501,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             valid_after = False
         if not valid_after:
             unanswered += 1
-        storm_loop = {k: round(v * 1000, 1) for k, v in lag.items()}
+        storm_loop = {k: round(v * 1000, 1) for k, v in lag.items() if isinstance(v, float)}
         rss_storm = rss_mb()
-        soak = await load_soak(app, args)
+        soak = await load_soak(app, args, lag)
         unanswered += sum(r["unanswered"] for r in soak["phases"].values())
-        rss_held, held = rss_mb(), len(app.load)
+        rss_held, held, heap_held = rss_mb(), len(app.load), heap_mb()
+        if args.tracemalloc:
+            print("-- held vs start --", file=sys.stderr)
+            for stat in tracemalloc.take_snapshot().compare_to(snap0, "lineno")[:12]:
+                print(stat, file=sys.stderr)
+            print("-- end vs start --", file=sys.stderr)
         grace = app.cfg.load.lost_done_grace_s or 0.0
         give_up = time.perf_counter() + grace + 10.0
+        lag["phase"] = "expiry"
         while len(app.load) and time.perf_counter() < give_up:  # the lost requests expire
             await asyncio.sleep(0.5)
+        lag["phase"] = "settle"
         await asyncio.sleep(args.settle_s)  # idle: the controller's periodic malloc_trim runs
         lag_task.cancel()
-        rss1 = rss_mb()
+        rss1, heap1 = rss_mb(), heap_mb()
+        if args.diag_end:  # diagnosis only, after the reading above: what a collection and a trim give back
+            gc.collect()
+            diag = {"after_gc": (round(rss_mb(), 1), heap_mb())}
+            from smetric_lmc.controller.memory import malloc_trim
+
+            malloc_trim()
+            diag["after_trim"] = (round(rss_mb(), 1), heap_mb())
+            print(f"diag_end: {diag}", file=sys.stderr)
+        samples = None
+        if sampler is not None:
+            sampler_conn.send("stop")
+            samples = sampler_conn.recv()
+            sampler.join(10)
+        if args.tracemalloc:
+            grown = tracemalloc.take_snapshot().compare_to(snap0, "traceback" if args.tracemalloc > 1 else "lineno")
+            tracemalloc.stop()
+            for stat in grown[:15]:
+                print(stat, file=sys.stderr)
+                if args.tracemalloc > 1:
+                    print("    " + "\n    ".join(stat.traceback.format()[-2 * args.tracemalloc:]), file=sys.stderr)
         census = gc_census()
         state = {"index": {**app.index.sizes()}, "in_flight": len(app.load),
                  "lmcache_workers": len(app.lmcache_server.workers()), "load": dict(app.load.stats)}
@@ -368,7 +553,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "storm_elapsed_s": round(elapsed, 1),
             "storm_loop_ms": storm_loop,
             "soak": soak,
-            "loop_ms": {k: round(v * 1000, 1) for k, v in lag.items()},
+            "loop_ms": {k: round(v * 1000, 1) for k, v in lag.items() if isinstance(v, float)},
+            "worst_stalls": explain_stalls(lag.get("worst", []), app.trimmer, samples),
+            "malloc_trim": {k: round(v, 1) for k, v in app.trimmer.stats.items()},
+            "heap_mb": {"start": heap0, "held": heap_held, "end": heap1},
             "rss_mb": {"start": round(rss0, 1), "after_storm": round(rss_storm, 1), "held": round(rss_held, 1), "in_flight_held": held,
                        "end": round(rss1, 1)},
             "gc_after": census,
@@ -389,6 +577,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # What the loop's own work cost: its thread's CPU during that worst stall, and the
                 # most CPU it spent beyond the timer's period in any one wait; GC pause wall/CPU.
                 "max_loop_stall_loop_cpu_ms": round(lag.get("max_cpu", 0.0) * 1000, 1),
+                "max_loop_stall_trim_ms": sum(explain_stalls(lag.get("worst", [])[:1], app.trimmer)[0]["trims_overlapping_ms"])
+                if lag.get("worst") else 0.0,
                 "max_loop_busy_ms": round(lag.get("max_busy", 0.0) * 1000, 1),
                 "max_gc_pause_ms": round(lag.get("gc_max", 0.0) * 1000, 1),
                 "max_gc_pause_cpu_ms": round(lag.get("gc_max_cpu", 0.0) * 1000, 1),
@@ -418,6 +608,14 @@ def main() -> None:
     p.add_argument("--settle-s", type=float, default=6.0, help="idle time before the final RSS reading")
     p.add_argument("--no-faults", action="store_true", help="skip the dead-engine and restart figures (bench/faults.py)")
     p.add_argument("--poll-s", type=float, default=1.0, help="bench/faults.py: the controller's engine /metrics poll")
+    p.add_argument("--trim-min-free-mb", type=float, default=None,
+                   help="the controller's malloc_trim gate (controller/memory.py); 0 trims every period")
+    p.add_argument("--sample-loop", action="store_true",
+                   help="diagnosis: a process samples the loop thread's system call every ms (see worst_stalls)")
+    p.add_argument("--diag-end", action="store_true",
+                   help="diagnosis: after the final RSS reading, print RSS after a full GC and after a malloc_trim")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="diagnosis: trace Python allocations (slow) and print the top growth by line")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
     args = p.parse_args()

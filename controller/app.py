@@ -65,7 +65,7 @@ from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
 
 from .engine_metrics import EngineMetricsPoller
-from .memory import trim_periodically, tune_malloc
+from .memory import Trimmer, tune_malloc
 from .metrics import (
     ControllerMetrics,
     InstanceState,
@@ -144,6 +144,7 @@ class ControllerApp:
         hs = self.hashing
         self.index = TierIndex(hs.block_size, hs.chunk_size, fast_root=hs.fast_root)
         self.load = LoadTracker(expire_s=cfg.load.lost_done_grace_s or None)
+        self.trimmer = Trimmer()  # periodic, gated malloc_trim (controller/memory.py)
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
         self.metrics = ControllerMetrics()
@@ -211,7 +212,7 @@ class ControllerApp:
         self.service.bind()
         self._spawn("route-service", self.service.run)
         tune_malloc()  # freed MB-sized buffers go back to the OS (see controller/memory.py)
-        self._spawn("memory-trim", trim_periodically)
+        self._spawn("memory-trim", self.trimmer.run)
         if self.share is not None:
             self.share.bind()
             self._spawn("load-share", self.share.run)

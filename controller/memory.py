@@ -8,8 +8,23 @@ objects are only returned by ``malloc_trim``: the soak saw 690 MB of 716 MB RSS 
 
 - :func:`tune_malloc` pins the mmap threshold (pinning also turns the dynamic raise off), so
   buffers over it are mapped and unmapped on their own;
-- :func:`trim_periodically` calls ``malloc_trim(0)`` from a thread (ctypes drops the GIL, so
-  the event loop keeps running) every few seconds.
+- :class:`Trimmer` calls ``malloc_trim(0)`` from a thread (ctypes drops the GIL) every few
+  seconds, but only when the heap holds enough free memory that it has not offered back yet.
+
+Why the gate: ``malloc_trim`` holds each arena's lock while it walks every free chunk and
+``madvise``s its pages, and the event loop's thread allocates from the main arena, so it sleeps
+on that lock for the whole walk (no CPU spent, the loop stalled: bench/soak.py saw 200+ ms stalls
+with 2-3 ms of loop CPU, each overlapping a trim). An ungated trim every 5 s repeats that walk even
+when nothing was freed since the last one (already-returned pages are walked and advised again).
+``mallinfo2`` reads the free total (a walk of the bins without syscalls, ~100x cheaper), so a trim
+runs only after a burst actually left ``min_free`` bytes more free than the last trim left (or,
+while that much is free at all, once a minute: pages reused and freed again between two checks).
+
+Measured (bench/soak.py ``worst_stalls``, ``--sample-loop``): with pymalloc, trims take 1-13 ms and
+none overlapped the soak's worst stalls (those were the bench joining its child processes on the
+loop, then run-queue waits); under ``PYTHONMALLOC=malloc`` the heap holds every small object and a
+trim took ~48 ms, during which the loop slept on the arena lock (20-25 ms stalls with 0.4 ms of
+loop CPU): the gate matters there.
 """
 
 from __future__ import annotations
@@ -17,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import time
+from collections import deque
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +41,14 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 #: Allocations at least this large are mmapped (and unmapped when freed).
 MMAP_THRESHOLD = 256 << 10
+#: Free heap bytes beyond what the last trim left that make the next trim worth its lock time.
+TRIM_MIN_FREE = 4 << 20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -31,7 +56,11 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    if not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")):
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
@@ -46,17 +75,89 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     return ok
 
 
+def heap_info() -> dict[str, int] | None:
+    """glibc's ``mallinfo2`` (all arenas): ``arena`` heap bytes, ``uordblks`` in use, ``fordblks``
+    free, ``hblkhd`` mmapped, ``keepcost`` the releasable top; None without glibc >= 2.33."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    mi = libc.mallinfo2()
+    return {name: int(getattr(mi, name)) for name, _ in _MallInfo2._fields_}
+
+
 def malloc_trim() -> bool:
     """Give free heap pages back to the OS now; True when glibc released any."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
-async def trim_periodically(interval_s: float = 5.0) -> None:
-    """``malloc_trim`` every ``interval_s`` in a worker thread, for the life of the task."""
-    if _libc() is None:
-        log.info("not glibc: no periodic malloc_trim")
-        return
-    while True:
-        await asyncio.sleep(interval_s)
-        await asyncio.to_thread(malloc_trim)
+class Trimmer:
+    """Periodic, gated ``malloc_trim`` (see the module docstring), with what each trim cost.
+
+    ``spans`` keeps the (start, end) ``time.perf_counter()`` of recent calls (the gate's check
+    included), so a loop-stall probe can tell whether a stall overlapped one; ``stats`` counts
+    trims and skips and keeps the longest trim's and the longest check's duration."""
+
+    def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024,
+                 max_skip_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self.min_free = min_free
+        # Free memory reused and freed again between two checks leaves the free total where the
+        # last trim left it, with its pages resident again: at most this long without a trim
+        # while ``min_free`` bytes are free at all.
+        self.max_skip_s = max_skip_s
+        self._last_trim = time.monotonic()
+        self.spans: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.stats = {"trims": 0, "skipped": 0, "max_trim_ms": 0.0, "total_trim_ms": 0.0, "max_check_ms": 0.0}
+        self._libc = _libc()
+        self._gated = self._libc is not None and hasattr(self._libc, "mallinfo2")
+        self._free_after = 0  # free heap bytes the last trim left (pages already returned)
+
+    def due(self) -> bool:
+        """Whether the heap holds ``min_free`` more free bytes than the last trim left."""
+        if not self._gated:
+            return True
+        info = self._libc.mallinfo2()  # type: ignore[union-attr]
+        free = int(info.fordblks)
+        if free < self._free_after:  # reused since: count growth from the lower level
+            self._free_after = free
+        if free - self._free_after >= self.min_free:
+            return True
+        return free >= self.min_free and time.monotonic() - self._last_trim >= self.max_skip_s
+
+    def trim_now(self) -> bool:
+        """``malloc_trim(0)`` if :meth:`due`, timed; runs in the caller's thread."""
+        if self._libc is None:
+            return False
+        t0 = time.perf_counter()
+        if not self.due():
+            self.stats["skipped"] += 1
+            t1 = time.perf_counter()
+            self.spans.append((t0, t1))
+            self.stats["max_check_ms"] = max(self.stats["max_check_ms"], (t1 - t0) * 1000)
+            return False
+        released = bool(self._libc.malloc_trim(0))
+        self._last_trim = time.monotonic()
+        if self._gated:
+            self._free_after = int(self._libc.mallinfo2().fordblks)
+        t1 = time.perf_counter()
+        self.spans.append((t0, t1))
+        ms = (t1 - t0) * 1000
+        self.stats["trims"] += 1
+        self.stats["total_trim_ms"] += ms
+        self.stats["max_trim_ms"] = max(self.stats["max_trim_ms"], ms)
+        log.debug("malloc_trim took %.1f ms (released: %s)", ms, released)
+        return released
+
+    def overlapping(self, start: float, end: float) -> list[tuple[float, float]]:
+        """Trims (perf_counter spans) that overlapped ``[start, end]``."""
+        return [(a, b) for a, b in self.spans if a < end and b > start]
+
+    async def run(self) -> None:
+        """Trim when due every ``interval_s`` in a worker thread, for the life of the task."""
+        if self._libc is None:
+            log.info("not glibc: no periodic malloc_trim")
+            return
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await asyncio.to_thread(self.trim_now)

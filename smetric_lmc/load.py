@@ -21,6 +21,8 @@ from itertools import repeat
 
 import msgspec
 
+from .tables import compacted
+
 
 class _InFlight(msgspec.Struct, gc=False):
     # gc=False: holds only str/int/float/bool, so the cyclic GC need not track it. Hundreds of
@@ -35,6 +37,8 @@ class _InFlight(msgspec.Struct, gc=False):
 SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
 #: Queued entries a route looks at for expiry: more than the one it adds, so routing keeps up.
 EXPIRE_PER_ROUTE = 8
+#: Releases between two checks for request maps that shrank (see :meth:`LoadTracker._compact`).
+COMPACT_EVERY = 1024
 
 
 class LoadTracker:
@@ -71,6 +75,7 @@ class LoadTracker:
         self.reconcile_left = False  # the last reconcile stopped at its budget
         self._draining: list[dict[str, _InFlight]] = []  # entries of removed instances, to forget
         self._dead = 0  # of those, how many the request map still holds
+        self._released = 0  # since the last check for shrunken maps
         self._aligned_sum = 0
         self._at_load: dict[int, list[int]] = {}
         self._min_load = 0
@@ -131,8 +136,10 @@ class LoadTracker:
                     del requests[rid]
                     self._dead -= 1
             budget -= k
+            self._released += k
             if not of:
                 draining.pop()
+        self._maybe_compact()
         return bool(draining)
 
     def _live(self, request_id: str, entry: _InFlight | None) -> bool:
@@ -155,6 +162,7 @@ class LoadTracker:
         """Release a request; False when it was not in flight (duplicate or healed)."""
         if self._release(request_id):
             self.stats["done"] += 1
+            self._maybe_compact()
             return True
         self.stats["unknown_done"] += 1
         return False
@@ -171,7 +179,25 @@ class LoadTracker:
         self._count[entry.instance] -= 1
         self._set_total(entry.instance, self._total[entry.instance] - 1)
         self._unprefilled[entry.instance] -= entry.unprefilled
+        self._released += 1
         return True
+
+    def _maybe_compact(self) -> None:
+        if self._released >= COMPACT_EVERY:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Replace request maps whose tables are far larger than their entries need by right-sized
+        copies (``smetric_lmc.tables``): a dict never shrinks on deletion, so after a burst (160 k
+        requests held by a crashed gateway, then expired) the tables of the peak stayed allocated
+        for good. Called from the public mutators, never while a caller iterates a map."""
+        self._released = 0
+        self._requests = compacted(self._requests)
+        for maps in (self._of, self._queued):
+            for iid, m in maps.items():
+                c = compacted(m)
+                if c is not m:
+                    maps[iid] = c  # same key: no resize of ``maps`` during the iteration
 
     def expire(self, budget: int = SLICE) -> int:
         """Release entries older than ``expire_s``, looking at up to ``budget`` queued entries (a
@@ -188,6 +214,7 @@ class LoadTracker:
                 self._release(entry.request_id)
                 n += 1
         self.stats["expired"] += n
+        self._maybe_compact()
         return n
 
     def expire_due(self) -> bool:
@@ -234,6 +261,7 @@ class LoadTracker:
         for rid in stale:
             self._release(rid)
         self.stats["healed"] += len(stale)
+        self._maybe_compact()
         return len(stale)
 
     def _infer_prefilled(self, instance_id: str, engine_waiting: int, prefill_grace_s: float,

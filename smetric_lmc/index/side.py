@@ -6,6 +6,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..tables import compacted
+
+#: Pending entries one :meth:`Pending.expire` call drops at most (~1 us each): a slice of the loop
+#: even when a whole burst's prompts fall due together after an idle spell.
+EXPIRE_SLICE = 4096
+#: Drops between two checks for maps that shrank (``smetric_lmc.tables``).
+COMPACT_EVERY = 1024
+
 
 def _anchor(length: int) -> int:
     """Where a pending prompt of ``length`` blocks is filed: a multiple of 64 blocks (1k tokens
@@ -36,10 +44,11 @@ class Pending:
         # last -> anchor hash << 32 | length: one int, not a (length, anchor) tuple, which is
         # GC-tracked when made (see ``queue``).
         self.meta: dict[int, int] = {}
-        # anchor block hash -> last hashes filed there. Inner dicts (values None), not sets: a dict
-        # of ints is not tracked by the cyclic GC, a set always is, and a busy controller holds
-        # one per routed prompt for ``ttl_s``: every full collection walked them all.
-        self.by_anchor: dict[int, dict[int, None]] = {}
+        # anchor block hash -> the last hash filed there (an int: the usual case, one prompt per
+        # anchor, costs no container) or, once several are, a dict of them (values None). Dicts,
+        # not sets: a dict of ints is not tracked by the cyclic GC, a set always is, and a busy
+        # controller holds one per routed prompt for ``ttl_s``: every full collection walked them.
+        self.by_anchor: dict[int, int | dict[int, None]] = {}
         self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
         # Flat (deadline, slot, last, deadline, slot, last, ...), not a tuple per entry: tuples
         # are GC-tracked when made, and one per route freed by expiry as new ones are made kept
@@ -47,6 +56,7 @@ class Pending:
         # ~100 ms gen-0 collection, see smetric_lmc/load.py). Floats and ints are untracked.
         self.queue: deque[float | int] = deque()
         self.added = self.confirmed = self.expired = 0
+        self._dropped = 0  # since the last check for shrunken maps
 
     def __bool__(self) -> bool:
         return bool(self.by_last)
@@ -58,7 +68,7 @@ class Pending:
             pos = _anchor(len(chain))
             entry = self.by_last[last] = {}
             self.meta[last] = chain[pos - 1] << 32 | len(chain)
-            self.by_anchor.setdefault(chain[pos - 1], {})[last] = None
+            self._file(chain[pos - 1], last)
             self.anchors[pos] = self.anchors.get(pos, 0) + 1
         deadline = now + self.ttl_s
         entry[slot] = deadline
@@ -74,15 +84,42 @@ class Pending:
         packed = self.meta.pop(last)
         length, anchor = packed & _LENGTH, packed >> 32
         filed = self.by_anchor[anchor]
-        filed.pop(last, None)
-        if not filed:
-            del self.by_anchor[anchor]
+        if type(filed) is not dict:
+            if filed == last:
+                del self.by_anchor[anchor]
+        else:
+            filed.pop(last, None)
+            if len(filed) == 1:  # back to the single-int form
+                self.by_anchor[anchor] = next(iter(filed))
+            elif not filed:
+                del self.by_anchor[anchor]
         pos = _anchor(length)
         left = self.anchors[pos] - 1
         if left:
             self.anchors[pos] = left
         else:
             del self.anchors[pos]
+        self._dropped += 1
+
+    def _file(self, anchor: int, last: int) -> None:
+        filed = self.by_anchor.get(anchor)
+        if filed is None:
+            self.by_anchor[anchor] = last
+        elif type(filed) is not dict:
+            if filed != last:
+                self.by_anchor[anchor] = {filed: None, last: None}
+        else:
+            filed[last] = None
+
+    def _maybe_compact(self) -> None:
+        """Right-size the maps after many drops: a dict keeps the table of its peak (one entry
+        per distinct prompt routed within ``ttl_s``) until an insertion resizes it, so an idle
+        controller kept a busy spell's tables for good."""
+        if self._dropped >= COMPACT_EVERY:
+            self._dropped = 0
+            self.by_last = compacted(self.by_last)
+            self.meta = compacted(self.meta)
+            self.by_anchor = compacted(self.by_anchor)
 
     def confirm(self, slot: int, hashes: Sequence[int]) -> None:
         by_last = self.by_last
@@ -90,16 +127,21 @@ class Pending:
             if slot in by_last[h]:
                 self._drop(h, slot)
                 self.confirmed += 1
+        self._maybe_compact()
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float, budget: int = EXPIRE_SLICE) -> None:
+        """Drop entries past their deadline, looking at up to ``budget`` queued ones (the rest,
+        if any, stay due: :meth:`next_deadline` is then already past)."""
         q = self.queue
         pop = q.popleft
-        while q and q[0] <= now:
+        while q and q[0] <= now and budget > 0:
+            budget -= 1
             deadline, slot, last = pop(), pop(), pop()
             entry = self.by_last.get(last)
             if entry is not None and entry.get(slot) == deadline:
                 self._drop(last, slot)
                 self.expired += 1
+        self._maybe_compact()
 
     def next_deadline(self) -> float:
         return float(self.queue[0]) if self.queue else float("inf")
@@ -107,6 +149,7 @@ class Pending:
     def drop_slot(self, slot: int) -> None:
         for last in [h for h, slots in self.by_last.items() if slot in slots]:
             self._drop(last, slot)
+        self._maybe_compact()
 
     def credits(self, chain: Sequence[int]) -> list[tuple[int, int]]:
         """(slot, pending blocks) for every pending prompt ``chain`` extends."""
@@ -116,8 +159,8 @@ class Pending:
         for pos in self.anchors:
             if pos <= n:
                 filed = by_anchor.get(chain[pos - 1])
-                if filed:
-                    for last in filed:
+                if filed is not None:
+                    for last in (filed if type(filed) is dict else (filed,)):
                         length = meta[last] & _LENGTH
                         if length <= n and chain[length - 1] == last:
                             out.extend((slot, length) for slot in by_last[last])

@@ -189,8 +189,10 @@ class TierIndex:
 
     @property
     def needs_maintenance(self) -> bool:
-        """Rows emptied by a bulk clear still wait for :meth:`maintain` slices."""
-        return self._tree.garbage
+        """Rows emptied by a bulk clear still wait for :meth:`maintain` slices, or a deadline
+        (pending prompts, stale marks, orphan runs) passed: on an idle controller nothing else
+        expires them, and a busy spell's pending prompts were kept for good."""
+        return self._tree.garbage or self.clock() >= self._due
 
     # ---- stale marks -------------------------------------------------------------------------
     def mark_stale(self, instance_id: str) -> int:

@@ -44,3 +44,130 @@ def test_pinned_mmap_threshold_returns_freed_buffers() -> None:
     untuned, tuned = _growth("plain"), _growth("tuned")
     assert tuned < 20, (tuned, untuned)
 
+
+
+# ---- tables that shrank, pending prompts on an idle controller, the trim gate ----------------------
+
+
+def test_load_tracker_releases_its_tables_after_a_drop() -> None:
+    """A dict never shrinks on deletion: the tracker's request maps must be rebuilt once most of a
+    burst has left (before: 5 MB of table kept after 100 k requests expired)."""
+    import sys as _sys
+
+    from smetric_lmc.load import LoadTracker
+
+    t = [0.0]
+    lt = LoadTracker(lambda: t[0], expire_s=30.0)
+    for k in range(100_000):
+        lt.on_route(f"r{k}", f"i{k % 4}", 256)
+    peak = _sys.getsizeof(lt._requests)
+    t[0] = 100.0
+    while lt.expire():
+        pass
+    assert len(lt) == 0 and lt.stats["expired"] == 100_000
+    assert peak > 1_000_000
+    assert _sys.getsizeof(lt._requests) < 10_000, _sys.getsizeof(lt._requests)
+    assert max(_sys.getsizeof(m) for m in (*lt._of.values(), *lt._queued.values())) < 10_000
+    lt.on_route("after", "i0", 10)  # still a working tracker
+    assert lt.instance_of("after") == "i0" and lt.in_flight("i0") == 1
+
+
+def test_load_tracker_compacts_on_done_too() -> None:
+    import sys as _sys
+
+    from smetric_lmc.load import LoadTracker
+
+    lt = LoadTracker(lambda: 0.0)
+    for k in range(50_000):
+        lt.on_route(f"r{k}", "a", 1)
+    peak = _sys.getsizeof(lt._requests)
+    for k in range(49_990):
+        assert lt.on_done(f"r{k}")
+    assert len(lt) == 10 and lt.in_flight("a") == 10
+    # Checked every COMPACT_EVERY releases: the table fits what was left at the last check.
+    assert _sys.getsizeof(lt._requests) < peak / 10, (_sys.getsizeof(lt._requests), peak)
+    assert lt.on_done("r49995") and lt.in_flight("a") == 9
+
+
+def test_pending_prompts_expire_on_an_idle_index_and_release_their_tables() -> None:
+    """Before: pending prompts expired only on ingest or lookups, so an idle controller kept a
+    busy spell's prompts (and their tables) for good; the maintenance loop now sees them due."""
+    import random
+    import sys as _sys
+
+    from smetric_lmc.index import TierIndex
+
+    t = [0.0]
+    ix = TierIndex(16, 256, clock=lambda: t[0])
+    ix.register_instance("a")
+    rng = random.Random(3)
+    for _ in range(20_000):
+        assert ix.add_pending("a", [rng.getrandbits(63) for _ in range(4)])
+    p = ix._pending
+    peak = _sys.getsizeof(p.by_last)
+    assert not ix.needs_maintenance
+    t[0] = ix._pending.ttl_s + 1.0
+    assert ix.needs_maintenance
+    rounds = 0
+    while ix.needs_maintenance:  # what the controller's maintenance loop does, a slice at a time
+        ix.maintain()
+        rounds += 1
+    assert rounds > 1  # sliced: 20 k due at once are not dropped in one call
+    assert not ix._pending
+    assert p.expired == 20_000 and not p.queue
+    assert peak > 500_000
+    assert max(_sys.getsizeof(d) for d in (ix._pending.by_last, ix._pending.meta, ix._pending.by_anchor)) < 10_000
+
+
+@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
+    tr = memory.Trimmer(min_free=4 << 20)
+    tr.trim_now()  # whatever the test process freed before
+    tr.trim_now()
+    assert tr.trim_now() is False and tr.stats["skipped"] >= 1  # nothing freed since
+    assert len(tr.spans) >= 2 and all(b >= a for a, b in tr.spans)
+    # 64 x 100 kB below any mmap threshold (they fill the heap's holes first, then its top), then
+    # a live 200 kB block above them: freed, they cannot go back with the heap's top by themselves.
+    bufs = [bytearray(100_000) for _ in range(64)]
+    pin = bytearray(200_000)
+    tr.due()  # the periodic check sees the free total while the buffers are in use
+    del bufs
+    trims = tr.stats["trims"]
+    tr.trim_now()
+    assert tr.stats["trims"] == trims + 1 and tr.stats["max_trim_ms"] > 0, memory.heap_info()
+    del pin
+    a, b = tr.spans[-1]
+    assert tr.overlapping(a, b) and not tr.overlapping(b + 1, b + 2)
+
+
+def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
+    """Prompts sharing an anchor block are filed in a dict, a lone one as a bare int (no 1-entry
+    dict per routed prompt); credits are the same either way, through both transitions."""
+    from smetric_lmc.index.side import Pending
+
+    p = Pending(10.0)
+    base = [11, 12, 13, 14]  # 5-block prompts are anchored at block 4 (hash 14)
+    a, b = [*base, 101], [*base, 202]
+    p.add(0, a, 0.0)
+    assert p.by_anchor[14] == 101
+    p.add(1, b, 0.0)
+    assert p.by_anchor[14] == {101: None, 202: None}
+    assert sorted(p.credits([*a, 7])) == [(0, 5)] and sorted(p.credits(b)) == [(1, 5)]
+    p.confirm(0, a)
+    assert p.by_anchor[14] == 202 and p.credits(a) == [] and p.credits(b) == [(1, 5)]
+    p.add(2, b, 1.0)  # a second instance on the same prompt: still one filed last
+    assert p.by_anchor[14] == 202 and sorted(p.credits(b)) == [(1, 5), (2, 5)]
+    p.expire(20.0)
+    assert not p.by_anchor and not p.by_last and not p.meta and p.credits(b) == []
+
+
+@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+def test_trimmer_trims_at_least_every_max_skip_while_memory_is_free() -> None:
+    tr = memory.Trimmer(min_free=1, max_skip_s=3600.0)
+    tr.trim_now()
+    tr.trim_now()
+    assert tr.stats["skipped"] >= 1  # no growth since the last trim, and within max_skip_s
+    stale = memory.Trimmer(min_free=1, max_skip_s=0.0)
+    stale.trim_now()
+    stale.trim_now()
+    assert stale.stats["trims"] == 2 and stale.stats["skipped"] == 0
