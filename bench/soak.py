@@ -68,8 +68,9 @@ import zmq.asyncio
 from replicas import free_ports
 
 from smetric_lmc.client import AsyncRouteClient
-from smetric_lmc.config import parse_config
+from smetric_lmc.config import ServerConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
+from smetric_lmc.controller.memory import ALLOCATORS, exec_with_allocator, running_allocator
 
 # The malformed-message generators are test code shared with tests/reliability, not package code.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -584,6 +585,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_gc_pause_cpu_ms": round(lag.get("gc_max_cpu", 0.0) * 1000, 1),
                 "rss_growth_mb": round(rss1 - rss0, 1),
                 "rss_growth_held_mb": round(rss_held - rss0, 1),
+                "allocator": running_allocator(),
                 "soak_routes_per_s": with_done["routes_per_s"],
                 "soak_p99_ms": with_done["p99_ms"],
             },
@@ -618,7 +620,11 @@ def main() -> None:
                    help="diagnosis: trace Python allocations (slow) and print the top growth by line")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
+    p.add_argument("--allocator", choices=ALLOCATORS, default=ServerConfig().allocator,
+                   help="run under this allocator, as `smetric controller` does with server.allocator "
+                        "(default: the config default)")
     args = p.parse_args()
+    exec_with_allocator(args.allocator)  # returns once running under it
     out = asyncio.run(run(args))
     f = faults(args)
     rows = replicas_bench.measure(args.replicas, args.replica_s)

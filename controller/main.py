@@ -76,6 +76,10 @@ def run_controller(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "route_url", None):
         cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, route_url=args.route_url))
+    from .memory import exec_with_allocator, running_allocator
+
+    exec_with_allocator(cfg.server.allocator)  # returns only when already running under it
+    log.info("controller: allocator %s", running_allocator())
     from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
 
     app = ControllerApp(cfg, config_path=args.config)

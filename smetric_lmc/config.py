@@ -130,8 +130,12 @@ class ServerConfig(_Cfg):
     curve_secret_key: str | None = None  # Z85; enables ZMQ CURVE on the route socket
     curve_public_key: str | None = None
     curve_client_keys: list[str] = []  # Z85 public keys allowed in; ["*"] = any key (encryption only)
+    # "malloc": the controller restarts itself under PYTHONMALLOC=malloc (controller/memory.py says why)
+    allocator: str = "malloc"
 
     def __post_init__(self) -> None:
+        if self.allocator not in ("malloc", "pymalloc"):
+            raise ValueError(f"allocator must be 'malloc' or 'pymalloc', got {self.allocator!r}")
         if self.curve_secret_key or self.curve_public_key:
             from smetric_lmc.curve import check_client_keys, check_keypair
 
