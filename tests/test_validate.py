@@ -309,24 +309,29 @@ def test_schedstat_lines_parse_and_bad_ones_are_refused() -> None:
             parse_schedstat(bad)
 
 
-def _fake_proc(root: Path, procs: dict[int, tuple[int, dict[int, str]]]) -> Path:
-    """A /proc tree: pid -> (process group, {tid: schedstat line})."""
+def _fake_proc(root: Path, procs: dict[int, tuple[int, dict[int, tuple[str, str]]]]) -> Path:
+    """A /proc tree: pid -> (process group, {tid: (thread name, schedstat line)})."""
     for pid, (pgid, tasks) in procs.items():
         (root / str(pid)).mkdir(parents=True)
         # comm with a space and a parenthesis, as a thread name can have
         (root / str(pid) / "stat").write_text(f"{pid} (VLLM::Engine (1)) S 1 {pgid} {pgid} 0 -1\n")
-        for tid, line in tasks.items():
+        for tid, (comm, line) in tasks.items():
             (root / str(pid) / "task" / str(tid)).mkdir(parents=True)
+            (root / str(pid) / "task" / str(tid) / "comm").write_text(comm + "\n")
             (root / str(pid) / "task" / str(tid) / "schedstat").write_text(line)
     return root
 
 
-def test_an_engine_run_share_sums_every_thread_of_its_process_group(tmp_path: Path) -> None:
-    proc = _fake_proc(tmp_path, {10: (10, {10: "100 50 1", 11: "300 50 9"}), 12: (10, {12: "600 0 2"}),
-                                 20: (20, {20: "999 999 1"}), 21: (10, {21: "garbage"})})
-    t = sample_group(10, 5.0, proc)
-    assert (t.run_ns, t.wait_ns) == (1000, 100)
-    later = CpuTime(1000 + 900, 100 + 900, 7.0)
+def test_an_engine_run_share_sums_its_worker_threads_or_every_thread_of_its_process_group(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path, {10: (10, {10: ("python", "100 50 1"), 11: ("ZMQbg/IO/0", "300 50 9")}),
+                                 12: (10, {12: ("VLLM::Worker", "600 0 2"), 13: ("gloo_tcp_loop", "5 70 1")}),
+                                 20: (20, {20: ("VLLM::Worker", "999 999 1")}),
+                                 21: (10, {21: ("VLLM::Worker", "garbage")})})
+    t = sample_group(10, 5.0, proc, comm=None)
+    assert (t.run_ns, t.wait_ns) == (1005, 170)
+    w = sample_engines({"e0": 10, "other": 20}, proc)
+    assert (w["e0"].run_ns, w["e0"].wait_ns) == (600, 0) and (w["other"].run_ns, w["other"].wait_ns) == (999, 999)
+    later = CpuTime(1005 + 900, 170 + 900, 7.0)
     d = later - t
     assert d.run_share == pytest.approx(0.5) and d.wait_per_s == pytest.approx(900e-9 / 2.0)
     with pytest.raises(ValueError, match="no runnable time"):
@@ -334,11 +339,11 @@ def test_an_engine_run_share_sums_every_thread_of_its_process_group(tmp_path: Pa
 
 
 def test_run_share_of_a_real_busy_thread_comes_from_the_kernel() -> None:
-    start = sample_engines({"me": os.getpgid(0)})
+    start = sample_engines({"me": os.getpgid(0)}, comm=None)
     t0 = time.process_time()
     while time.process_time() - t0 < 0.05:
         pass
-    d = sample_engines({"me": os.getpgid(0)})["me"] - start["me"]
+    d = sample_engines({"me": os.getpgid(0)}, comm=None)["me"] - start["me"]
     assert d.run_ns >= 0.04e9 and 0 < d.run_share <= 1
 
 

@@ -3,10 +3,14 @@
 The calibration replays before and after a validation replay cannot see CPU that another job takes
 during it. The kernel can, without looking at the replay's outcome: ``/proc/<pid>/task/<tid>/schedstat``
 gives every thread's time on a CPU and time waiting on the run queue (ns). Over an interval, an
-engine's *run share* is its threads' run time over their run plus run-queue wait: the fraction of
-the time the engine wanted a core that it had one. vLLM CPU's worker busy-polls its queue while it
-has work (and for a second after), so a working engine is always runnable and its run share falls
-exactly when something else holds its pinned core. The simulator's speed for an engine during a
+engine's *run share* is its worker threads' run time over their run plus run-queue wait: the
+fraction of the time the worker wanted its core that it had it. vLLM CPU's worker (a process of
+its own, ``VLLM::Worker``) runs the iterations and, between them, spins on its shared-memory queue
+with ``sched_yield`` for a second after each read, so while the engine has work the worker is
+always runnable and its run share falls exactly when something else holds the pinned core (another
+job, or the engine's own API server and engine core). The engine's other threads (API server,
+engine core, a dozen gloo and ZMQ threads) mostly sleep and wake briefly; their wake-up waits add
+to a whole-engine share without telling how fast iterations ran. The simulator's speed for an engine during a
 replay is then the calibration's speed scaled by the replay's run share over the calibration's
 (``measured_slowdowns``).
 """
@@ -63,13 +67,19 @@ def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     return out
 
 
-def sample_group(pgid: int, wall_s: float, proc: Path = Path("/proc")) -> CpuTime:
-    """Run and run-queue time summed over every thread of the process group. A thread that ends
-    between two samples takes its time with it; the engines' threads live as long as the engine."""
+WORKER = "VLLM::Worker"  # the thread that runs the model's iterations (vLLM names its worker processes so)
+
+
+def sample_group(pgid: int, wall_s: float, proc: Path = Path("/proc"), comm: str | None = None) -> CpuTime:
+    """Run and run-queue time summed over the threads of the process group (those whose name starts
+    with ``comm``, when given). A thread that ends between two samples takes its time with it; the
+    engines' threads live as long as the engine."""
     run = wait = 0
     for pid in group_pids(pgid, proc):
         for task in (proc / str(pid) / "task").glob("*"):
             try:
+                if comm is not None and not (task / "comm").read_text().startswith(comm):
+                    continue
                 r, w = parse_schedstat((task / "schedstat").read_text())
             except (OSError, ValueError):
                 continue  # a thread that ended meanwhile
@@ -77,15 +87,39 @@ def sample_group(pgid: int, wall_s: float, proc: Path = Path("/proc")) -> CpuTim
     return CpuTime(run, wait, wall_s)
 
 
-def sample_engines(pgids: dict[str, int], proc: Path = Path("/proc")) -> dict[str, CpuTime]:
+def sample_engines(pgids: dict[str, int], proc: Path = Path("/proc"), comm: str | None = WORKER) -> dict[str, CpuTime]:
+    """Per engine, its worker threads' scheduler time (``comm=None``: every thread of the engine)."""
     import time
 
     now = time.monotonic()
-    return {name: sample_group(pgid, now, proc) for name, pgid in pgids.items()}
+    return {name: sample_group(pgid, now, proc, comm) for name, pgid in pgids.items()}
 
 
 def run_shares(start: dict[str, CpuTime], end: dict[str, CpuTime]) -> dict[str, float]:
     return {k: (end[k] - start[k]).run_share for k in start}
+
+
+@dataclass(frozen=True)
+class EngineCpu:
+    """What the kernel saw of every engine over an interval: the worker threads' run share (the
+    speed signal), and for comparison every thread's, the worker's run-queue wait per wall second and
+    its run time per wall second."""
+
+    worker: dict[str, CpuTime]
+    every: dict[str, CpuTime]
+
+    @classmethod
+    def sample(cls, pgids: dict[str, int], proc: Path = Path("/proc")) -> EngineCpu:
+        return cls(sample_engines(pgids, proc), sample_engines(pgids, proc, comm=None))
+
+    def since(self, start: EngineCpu) -> dict[str, dict[str, float]]:
+        """Per signal and engine (JSON-ready): ``run_share`` (worker), ``run_share_all`` (every thread),
+        ``wait_per_s`` and ``run_per_s`` (worker)."""
+        w = {k: self.worker[k] - start.worker[k] for k in self.worker}
+        return {"run_share": {k: d.run_share for k, d in w.items()},
+                "run_share_all": run_shares(start.every, self.every),
+                "wait_per_s": {k: d.wait_per_s for k, d in w.items()},
+                "run_per_s": {k: d.run_ns / 1e9 / d.wall_s for k, d in w.items()}}
 
 
 def measured_slowdowns(cal_slowdown: float, cal_share: dict[str, float], replay_share: dict[str, float]) -> dict[str, float]:

@@ -45,7 +45,7 @@ from smetric_lmc.replay.compare import (
 from smetric_lmc.replay.prompts import scale_workload
 from smetric_lmc.replay.ranking import pairs_table, rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.runner import ReplayConfig, replay
-from smetric_lmc.replay.schedstat import measured_slowdowns, run_shares, sample_engines
+from smetric_lmc.replay.schedstat import EngineCpu, measured_slowdowns
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.replay.under_load import (
     Contention,
@@ -370,13 +370,14 @@ class _Slot:
         _set_policy(self.config_path, self.data, CALIBRATION_POLICY, self.route_url)
         _reset_caches(self.running)
         idle = measure_path(self.gateway, self.cal)
-        s0 = sample_engines(self.engine_pgids)
+        s0 = EngineCpu.sample(self.engine_pgids)
         cal_records = replay(self.cal_wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
                                                        seed=self.seed + 1, records=self.work / f"calibration-{tag}.jsonl"))
         loaded = fit_under_load(self.cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY),
                                 self.cal.profile, idle, CALIBRATION_POLICY, self.engines, self.rate, self.seed + 1,
                                 self.max_think_s)
-        loaded.run_share = run_shares(s0, sample_engines(self.engine_pgids))
+        loaded.sched = EngineCpu.sample(self.engine_pgids).since(s0)
+        loaded.run_share = loaded.sched["run_share"]
         ct = loaded.contention
         print(f"calibration {tag}: {run_tps(loaded.live):.0f} tok/s; decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
               f"ms/token live ({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
@@ -392,18 +393,19 @@ class _Slot:
         _set_policy(self.config_path, self.data, pol, self.route_url)
         _reset_caches(self.running)
         cpu0, load0, t0 = _cpu_seconds(self.pgids), os.getloadavg()[0], time.monotonic()
-        s0 = sample_engines(self.engine_pgids)
+        s0 = EngineCpu.sample(self.engine_pgids)
         records = replay(self.wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
                                                seed=self.seed, records=self.work / f"{tag}.jsonl"))
         wall = time.monotonic() - t0
-        share = run_shares(s0, sample_engines(self.engine_pgids))
+        sched = EngineCpu.sample(self.engine_pgids).since(s0)
+        share = sched["run_share"]
         cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(self.pgids).items()}
         live = summarize_records(records, policy=pol)
         print(f"{tag}: live {run_tps(live):.0f} tok/s; {live.summary['failed']} failed; load average {load0:.1f} -> "
               f"{os.getloadavg()[0]:.1f}; CPU seconds over {wall:.1f} s: {cpu}; run share {_fmt_shares(share)}",
               flush=True)
         return live, {"replay_wall_s": round(wall, 2), "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                      "cpu_s": cpu, "run_share": share}
+                      "cpu_s": cpu, "run_share": share, "sched": sched}
 
     def simulate(self, pol: str, rep: int, lived: tuple[SimResult, dict[str, Any]],
                  before: tuple[LoadedFit, RequestPath], after: tuple[LoadedFit, RequestPath]) -> RealPoint:
@@ -421,7 +423,8 @@ class _Slot:
         cond = {**cond, "idle_path_pre_s": (before[1].pre + after[1].pre) / 2, "slowdown": factor,
                 "slowdown_before_after": [round(before[0].slowdown, 3), round(after[0].slowdown, 3)],
                 "tput_calibration": [run_tps(before[0].live), run_tps(after[0].live)],
-                "run_share_calibration": cal_share, "slowdown_steal": steal}
+                "run_share_calibration": cal_share, "slowdown_steal": steal,
+                "sched_calibration": [before[0].sched, after[0].sched]}
         return RealPoint(pol, rep, live, sim, path, ct, cond, bracket)
 
 
