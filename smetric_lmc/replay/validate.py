@@ -433,15 +433,17 @@ def _fmt_shares(share: dict[str, float]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Live against simulated; "sim const" is the TTFT with a constant request path (no contention)."""
-    head = ["policy", "tok/s live", "sim", "TTFT p50 live", "sim", "sim const", "local hit live", "sim", "sticky live",
-            "sim"]
+    """Live against simulated (each engine at its measured speed); "bracketed": every engine at the
+    calibrations' mean speed (the earlier model); "sim const": a constant request path (no contention)."""
+    head = ["policy", "tok/s live", "sim", "bracketed", "TTFT p50 live", "sim", "bracketed", "sim const",
+            "local hit live", "sim", "bracketed", "sticky live", "sim"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = r["policy"] + (f" #{r['repeat']}" if "repeat" in r else "")
-        lines.append(f"| {name} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
-                     f"{r['ttft_p50_sim']:.3f} | {r['ttft_p50_sim_const']:.3f} | {r['hit_live']:.3f} | "
-                     f"{r['hit_sim']:.3f} | {r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
+        lines.append(f"| {name} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['tput_sim_bracketed']:.0f} | "
+                     f"{r['ttft_p50_live']:.3f} | {r['ttft_p50_sim']:.3f} | {r['ttft_p50_sim_bracketed']:.3f} | "
+                     f"{r['ttft_p50_sim_const']:.3f} | {r['hit_live']:.3f} | {r['hit_sim']:.3f} | "
+                     f"{r['hit_sim_bracketed']:.3f} | {r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
