@@ -7,10 +7,12 @@ engine's *run share* is its worker threads' run time over their run plus run-que
 fraction of the time the worker wanted its core that it had it. vLLM CPU's worker (a process of
 its own, ``VLLM::Worker``) runs the iterations and, between them, spins on its shared-memory queue
 with ``sched_yield`` for a second after each read, so while the engine has work the worker is
-always runnable and its run share falls exactly when something else holds the pinned core (another
-job, or the engine's own API server and engine core). The engine's other threads (API server,
-engine core, a dozen gloo and ZMQ threads) mostly sleep and wake briefly; their wake-up waits add
-to a whole-engine share without telling how fast iterations ran. The simulator's speed for an engine during a
+always runnable and its run share falls when something else holds the pinned core (another job,
+or the engine's own API server and engine core). The engine's other threads (API server, engine
+core, a dozen gloo and ZMQ threads) mostly sleep and wake briefly, and their wake-up waits count
+in a whole-engine share too. Both are recorded (``EngineCpu.since``); the validation scales speed
+by the whole engine's share, which did as well as the worker's on a steady machine and halved the
+error on a drifting one (docs/validation.md). The simulator's speed for an engine during a
 replay is then the calibration's speed scaled by the replay's run share over the calibration's
 (``measured_slowdowns``).
 """

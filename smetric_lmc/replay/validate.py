@@ -229,6 +229,11 @@ def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url:
 # every session to the engine that cached it first, which on a CPU box frees the other core for the
 # request path, an effect no accelerator cluster has (docs/validation.md).
 DEFAULT_POLICIES = ("smetric", "load_balance", "round_robin")
+# Which run share scales an engine's speed (``schedstat.EngineCpu.since``): every thread's. It cut the
+# mean throughput and TTFT p50 errors of a drifting run (calibrations 31% apart) from 10.5% and 27.6%
+# to 5.9% and 13.9%; on a steady run (4%) the worker's share and every thread's did about alike
+# (docs/validation.md, runs 3 and 4).
+SPEED_SIGNAL = "run_share_all"
 CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as most policies do
 
 
@@ -377,7 +382,7 @@ class _Slot:
                                 self.cal.profile, idle, CALIBRATION_POLICY, self.engines, self.rate, self.seed + 1,
                                 self.max_think_s)
         loaded.sched = EngineCpu.sample(self.engine_pgids).since(s0)
-        loaded.run_share = loaded.sched["run_share"]
+        loaded.run_share = loaded.sched[SPEED_SIGNAL]
         ct = loaded.contention
         print(f"calibration {tag}: {run_tps(loaded.live):.0f} tok/s; decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
               f"ms/token live ({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
@@ -398,7 +403,7 @@ class _Slot:
                                                seed=self.seed, records=self.work / f"{tag}.jsonl"))
         wall = time.monotonic() - t0
         sched = EngineCpu.sample(self.engine_pgids).since(s0)
-        share = sched["run_share"]
+        share = sched[SPEED_SIGNAL]
         cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(self.pgids).items()}
         live = summarize_records(records, policy=pol)
         print(f"{tag}: live {run_tps(live):.0f} tok/s; {live.summary['failed']} failed; load average {load0:.1f} -> "
