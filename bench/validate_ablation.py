@@ -19,9 +19,10 @@ For every replay (policy and repeat), the live records against simulations of th
                 differences without the load drifting between their calibration replays
   measured steal   the calibrations' slowdown per engine, scaled by the engine's run share during the
                 replay over its run share during the calibrations (``replay.schedstat``: the worker's
-                run / (run + run-queue wait), from the kernel, not from the replay's outcome); what
-                `smetric sim validate` reports as ``tput_sim``
-  measured steal, all threads   the same with every thread of the engine counted
+                run / (run + run-queue wait), from the kernel, not from the replay's outcome)
+  measured steal, all threads   the same with every thread of the engine counted: what
+                `smetric sim validate` reports as ``tput_sim`` (``validate.SPEED_SIGNAL``; runs that
+                recorded one share only recorded this one)
   oracle speed  NOT a prediction: slowdown and path fitted on this replay itself (its decode time per
                 token and TTFT p50, so its TTFT error is ~0 by construction); what throughput and
                 local hit the model gives when it knows how fast the engines ran during the replay
