@@ -17,6 +17,12 @@ For every replay (policy and repeat), the live records against simulations of th
                 KV capacity (``--num-gpu-blocks-override``) adds to the policies' differences
   common profile         the first replay's fitted profile and path for every replay: the policies'
                 differences without the load drifting between their calibration replays
+  measured steal   the calibrations' slowdown per engine, scaled by the engine's run share during the
+                replay over its run share during the calibrations (``replay.schedstat``: the worker's
+                run / (run + run-queue wait), from the kernel, not from the replay's outcome)
+  measured steal, all threads   the same with every thread of the engine counted: what
+                `smetric sim validate` reports as ``tput_sim`` (``validate.SPEED_SIGNAL``; runs that
+                recorded one share only recorded this one)
   oracle speed  NOT a prediction: slowdown and path fitted on this replay itself (its decode time per
                 token and TTFT p50, so its TTFT error is ~0 by construction); what throughput and
                 local hit the model gives when it knows how fast the engines ran during the replay
@@ -38,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.replay.compare import simulate_like, with_kv_tokens
+from smetric_lmc.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens
 from smetric_lmc.replay.runner import Record
+from smetric_lmc.replay.schedstat import measured_slowdowns
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.replay.under_load import (
     Contention,
@@ -87,6 +94,23 @@ def _oracle(wl: Any, live: SimResult, idle: Any, r: dict[str, Any], d: dict[str,
     return fit.profile, fit.pre, Contention(fit.pre, 0.0)
 
 
+def _steal(idle: Any, r: dict[str, Any], signal: str) -> list[Any] | None:
+    """Per-engine profiles from a run-share signal (``replay.schedstat``), engines in start order;
+    None where the run did not record the signal."""
+    if signal == "run_share_all" and "sched" not in r:
+        # earlier runs recorded the whole engine's share as run_share
+        rep, cal = r.get("run_share"), r.get("run_share_calibration")
+    elif "sched" in r:
+        rep = r["sched"][signal]
+        cal = {k: (r["sched_calibration"][0][signal][k] + r["sched_calibration"][1][signal][k]) / 2 for k in rep}
+    else:
+        return None
+    if not rep or not cal:
+        return None
+    slow = measured_slowdowns(r["slowdown"], cal, rep)
+    return [slowed(idle, slow[k]) for k in sorted(slow)]
+
+
 def main(work: Path) -> None:
     rows = json.loads((work / "validation.json").read_text())
     idle = load_profile(work / "calibrated.yaml")
@@ -121,9 +145,17 @@ def main(work: Path) -> None:
                                       ("fitted", loaded, r["path_pre_s"], ct),
                                       ("fitted, KV unbounded", with_kv_tokens(loaded, 1 << 24), r["path_pre_s"], ct),
                                       ("common profile", common, first["path_pre_s"], common_ct),
+                                      ("measured steal", _steal(idle, r, "run_share"), r["path_pre_s"], ct),
+                                      ("measured steal, all threads", _steal(idle, r, "run_share_all"),
+                                       r["path_pre_s"], ct),
                                       ("oracle speed", *_oracle(wl, live, idle, r, d))):
             turn = 0.0 if pre is None else pre + post
-            sim = simulate_like(with_turnaround(wl, turn, 0.0), prof, pol, 2, d["rate"], d["seed"], 1e9)
+            if isinstance(prof, list):
+                sim = simulate_per_instance(with_turnaround(wl, turn, 0.0), prof, pol, d["rate"], d["seed"], 1e9)
+            elif prof is None:
+                continue  # a signal this run did not record
+            else:
+                sim = simulate_like(with_turnaround(wl, turn, 0.0), prof, pol, 2, d["rate"], d["seed"], 1e9)
             tps = run_tps(sim, 0.0 if pre is None else post)
             ttft = float(np.nanmedian(path.ttft(sim))) if path else sim.summary["ttft_p50"] + (pre or 0.0)
             if name in ("fitted const", "fitted"):
@@ -146,14 +178,20 @@ def main(work: Path) -> None:
     for name, e in errors.items():
         a = np.array(e)
         print(f"| {name} | {a[:, 0].mean():.1%}, {a[:, 0].max():.1%} | {a[:, 1].mean():.1%}, {a[:, 1].max():.1%} |")
-    print("\nsimulated local hit, tok/s as the engines slow down (x the idle iteration time):")
+    print("\nsimulated local hit, tok/s as the engines slow down (x the idle iteration time), by KV blocks per "
+          "engine (32 tokens each):")
     turn = first["path_pre_s"] + first["path_post_s"]
-    for pol in dict.fromkeys(r["policy"] for r in rows):
-        cells = []
-        for f in (2.0, 3.5, 5.0, 8.0, 12.0):
-            sim = simulate_like(with_turnaround(wl, turn, 0.0), slowed(idle, f), pol, 2, d["rate"], d["seed"], 1e9)
-            cells.append(f"x{f:g}: {sim.summary['hit_local']:.3f}, {run_tps(sim):.0f}")
-        print(f"{pol}: " + " | ".join(cells))
+    for blocks in KV_BLOCKS:
+        prof = with_kv_tokens(idle, blocks * 32)
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            cells = []
+            for f in (1.5, 2.0, 3.5, 5.0, 8.0):
+                sim = simulate_like(with_turnaround(wl, turn, 0.0), slowed(prof, f), pol, 2, d["rate"], d["seed"], 1e9)
+                cells.append(f"x{f:g}: {sim.summary['hit_local']:.3f}, {run_tps(sim):.0f}")
+            print(f"{blocks} blocks, {pol}: " + " | ".join(cells))
+
+
+KV_BLOCKS = (320, 400, 480, 640)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -14,8 +15,15 @@ import pytest
 
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
-from smetric_lmc.replay.compare import simulate_like, with_kv_tokens, write_profile
+from smetric_lmc.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens, write_profile
 from smetric_lmc.replay.ranking import rank_fields, rank_pairs, run_order, spread
+from smetric_lmc.replay.schedstat import (
+    CpuTime,
+    measured_slowdowns,
+    parse_schedstat,
+    sample_engines,
+    sample_group,
+)
 from smetric_lmc.replay.under_load import (
     Contention,
     LoadedFit,
@@ -25,6 +33,7 @@ from smetric_lmc.replay.under_load import (
     fit_contention,
     fit_under_load,
     inflight_on_instance,
+    run_tps,
     slowed,
     with_turnaround,
 )
@@ -228,7 +237,8 @@ def test_repeats_are_summarized_per_policy_by_their_median_and_their_spread_is_t
     def slot(pol: str, rep: int, live: float, sim: float, ttft_live: float, ttft_sim: float) -> dict:
         return {"policy": pol, "repeat": rep, "tput_live": live, "tput_sim": sim, "ttft_p50_live": ttft_live,
                 "ttft_p50_sim": ttft_sim, "ttft_p50_sim_const": ttft_sim * 1.5, "hit_live": 0.8, "hit_sim": 0.82,
-                "sticky_live": 1.0, "sticky_sim": 1.0}
+                "sticky_live": 1.0, "sticky_sim": 1.0, "tput_sim_bracketed": sim * 1.2,
+                "ttft_p50_sim_bracketed": ttft_sim, "hit_sim_bracketed": 0.9}
 
     slots = [slot("a", 0, 1000, 1100, 0.05, 0.05), slot("b", 0, 800, 800, 0.05, 0.06),
              slot("b", 1, 700, 720, 0.05, 0.04), slot("a", 1, 900, 800, 0.05, 0.05)]
@@ -240,6 +250,8 @@ def test_repeats_are_summarized_per_policy_by_their_median_and_their_spread_is_t
     assert f["tput_rel_err_max_repeat"] == pytest.approx(0.1111, abs=1e-4)  # a #1: 800 against 900
     assert f["ttft_p50_rel_err_max"] == 0.0 and f["ttft_p50_rel_err_max_repeat"] == pytest.approx(0.2)
     assert f["ttft_p50_rel_err_max_const_path"] == pytest.approx(0.5)
+    assert f["tput_rel_err_max_bracketed"] == pytest.approx(abs(760 * 1.2 / 750 - 1), abs=1e-4)
+    assert f["hit_abs_err_max_bracketed"] == pytest.approx(0.1)
     assert f["rank_pairs_separated"] == 1 and f["rank_agree"] is True  # a 950 vs b 750: 23.5% apart
     # Three repeats: the median ignores one stalled replay.
     rows3, _ = summarize_repeats([*slots, slot("a", 2, 300, 1000, 0.2, 0.05)], ["a", "b"])
@@ -288,3 +300,73 @@ def test_caches_are_reset_only_once_the_engine_has_no_request_holding_blocks() -
                 assert not core.cached_block_hashes()
 
     asyncio.run(serve())
+
+
+def test_schedstat_lines_parse_and_bad_ones_are_refused() -> None:
+    assert parse_schedstat("114426 591797 4\n") == (114426, 591797)
+    for bad in ("", "1 2", "1 2 x", "-1 2 3"):
+        with pytest.raises(ValueError, match="not a schedstat line"):
+            parse_schedstat(bad)
+
+
+def _fake_proc(root: Path, procs: dict[int, tuple[int, dict[int, tuple[str, str]]]]) -> Path:
+    """A /proc tree: pid -> (process group, {tid: (thread name, schedstat line)})."""
+    for pid, (pgid, tasks) in procs.items():
+        (root / str(pid)).mkdir(parents=True)
+        # comm with a space and a parenthesis, as a thread name can have
+        (root / str(pid) / "stat").write_text(f"{pid} (VLLM::Engine (1)) S 1 {pgid} {pgid} 0 -1\n")
+        for tid, (comm, line) in tasks.items():
+            (root / str(pid) / "task" / str(tid)).mkdir(parents=True)
+            (root / str(pid) / "task" / str(tid) / "comm").write_text(comm + "\n")
+            (root / str(pid) / "task" / str(tid) / "schedstat").write_text(line)
+    return root
+
+
+def test_an_engine_run_share_sums_its_worker_threads_or_every_thread_of_its_process_group(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path, {10: (10, {10: ("python", "100 50 1"), 11: ("ZMQbg/IO/0", "300 50 9")}),
+                                 12: (10, {12: ("VLLM::Worker", "600 0 2"), 13: ("gloo_tcp_loop", "5 70 1")}),
+                                 20: (20, {20: ("VLLM::Worker", "999 999 1")}),
+                                 21: (10, {21: ("VLLM::Worker", "garbage")})})
+    t = sample_group(10, 5.0, proc, comm=None)
+    assert (t.run_ns, t.wait_ns) == (1005, 170)
+    w = sample_engines({"e0": 10, "other": 20}, proc)
+    assert (w["e0"].run_ns, w["e0"].wait_ns) == (600, 0) and (w["other"].run_ns, w["other"].wait_ns) == (999, 999)
+    later = CpuTime(1005 + 900, 170 + 900, 7.0)
+    d = later - t
+    assert d.run_share == pytest.approx(0.5) and d.wait_per_s == pytest.approx(900e-9 / 2.0)
+    with pytest.raises(ValueError, match="no runnable time"):
+        (t - t).run_share  # noqa: B018
+
+
+def test_run_share_of_a_real_busy_thread_comes_from_the_kernel() -> None:
+    start = sample_engines({"me": os.getpgid(0)}, comm=None)
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.05:
+        pass
+    d = sample_engines({"me": os.getpgid(0)}, comm=None)["me"] - start["me"]
+    assert d.run_ns >= 0.04e9 and 0 < d.run_share <= 1
+
+
+def test_each_engine_is_slowed_by_its_own_loss_of_run_share_against_the_calibration() -> None:
+    got = measured_slowdowns(2.0, {"a": 0.9, "b": 0.9}, {"a": 0.9, "b": 0.45})
+    assert got == {"a": pytest.approx(2.0), "b": pytest.approx(4.0)}
+    assert measured_slowdowns(2.0, {"a": 0.6}, {"a": 0.9})["a"] == pytest.approx(2.0 * 0.6 / 0.9)
+    with pytest.raises(ValueError, match="different engines"):
+        measured_slowdowns(2.0, {"a": 0.9}, {"b": 0.9})
+    with pytest.raises(ValueError, match="out of"):
+        measured_slowdowns(2.0, {"a": 0.9}, {"a": 0.0})
+
+
+def test_per_instance_profiles_slow_only_their_instance() -> None:
+    idle = _idle_cpu_profile()
+    wl = small_workload(6, 3, 0.03, 0.03)
+    same = simulate_like(wl, slowed(idle, 3.0), "round_robin", 2, 4.0, 0, 1e9)
+    per = simulate_per_instance(wl, [slowed(idle, 3.0), slowed(idle, 3.0)], "round_robin", 4.0, 0, 1e9)
+    assert run_tps(per) == pytest.approx(run_tps(same))
+    one_slow = simulate_per_instance(wl, [slowed(idle, 3.0), slowed(idle, 12.0)], "round_robin", 4.0, 0, 1e9)
+    c = one_slow.cols
+    dec = (c["finish"] - c["first_token"]) / np.maximum(c["output"] - 1, 1)
+    ins = c["instance"]
+    assert np.nanmedian(dec[ins == 1]) > 2 * np.nanmedian(dec[ins == 0])  # -1: rejected
+    with pytest.raises(ValueError, match="same KV capacity"):
+        simulate_per_instance(wl, [idle, with_kv_tokens(idle, 1 << 20)], "round_robin", 4.0, 0, 1e9)

@@ -122,6 +122,8 @@ def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
     g.add_argument("--repeats", type=int, default=3,
                    help="validate: replays of each policy, in a balanced order (forward, reversed, forward, ...)")
+    g.add_argument("--kv-blocks", type=int, default=320,
+                   help="validate: KV blocks per engine (32 tokens each; vLLM's --num-gpu-blocks-override)")
 
 
 def run_calibration_action(args: argparse.Namespace) -> int:
@@ -148,6 +150,6 @@ def run_calibration_action(args: argparse.Namespace) -> int:
 
     policies = tuple(args.policies.split(",")) if args.policies else DEFAULT_POLICIES
     out = validate_real(Path(args.out or "validate-out"), engines=args.engines, policies=policies,
-                       repeats=args.repeats)
+                       repeats=args.repeats, num_gpu_blocks=args.kv_blocks)
     print(json.dumps(out))
     return 0

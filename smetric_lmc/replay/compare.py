@@ -87,6 +87,23 @@ def simulate_like(wl: Workload, profile: Profile, policy: str, instances: int, r
     return simulate(wl, cfg, policy, profile)
 
 
+def simulate_per_instance(wl: Workload, profiles: list[Profile], policy: str, rate: float, seed: int,
+                          max_think_s: float) -> SimResult:
+    """``simulate_like`` with one profile per instance (instance k: ``profiles[k]``). Only for profiles
+    that differ in speed, not capacity (``under_load.slowed``): the cluster is built from the first."""
+    from smetric_lmc.config import PolicyConfig
+    from smetric_lmc.sim.cluster import Simulator
+
+    if any(p.gpu_capacity_blocks(wl.block_size) != profiles[0].gpu_capacity_blocks(wl.block_size) for p in profiles):
+        raise ValueError("per-instance profiles must hold the same KV capacity")
+    cfg = load_sim_config(None, instances=len(profiles), rate=rate, seed=seed, max_think_s=max_think_s,
+                          arrival="closed", global_tier="none", pd=False)
+    sim = Simulator(wl, cfg, PolicyConfig(name=policy), profiles[0])  # type: ignore[arg-type]
+    for inst, prof in zip(sim.instances, profiles, strict=True):
+        inst.profile = prof
+    return sim.run()
+
+
 def warm_up(gateway_url: str, route_url: str) -> None:
     """One tiny request so the controller's index is ready (it routes load-only before that)."""
     from smetric_lmc.client import RouteClient

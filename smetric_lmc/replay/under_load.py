@@ -107,6 +107,8 @@ class LoadedFit:
     live: SimResult
     sim: SimResult
     contention: Contention  # the same path as it grows with the requests in flight on the engine
+    run_share: dict[str, float] = dataclasses.field(default_factory=dict)  # per engine (``schedstat``)
+    sched: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # every schedstat signal
 
 
 def fit_under_load(cal_wl: Workload, live: SimResult, profile: Profile, path: RequestPath, policy: str,

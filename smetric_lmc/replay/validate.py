@@ -35,10 +35,17 @@ from typing import Any
 import numpy as np
 
 from smetric_lmc.replay.calibrate import Calibration, calibrate
-from smetric_lmc.replay.compare import reason_shares, simulate_like, warm_up, write_profile
+from smetric_lmc.replay.compare import (
+    reason_shares,
+    simulate_like,
+    simulate_per_instance,
+    warm_up,
+    write_profile,
+)
 from smetric_lmc.replay.prompts import scale_workload
 from smetric_lmc.replay.ranking import pairs_table, rank_fields, rank_pairs, run_order, spread
 from smetric_lmc.replay.runner import ReplayConfig, replay
+from smetric_lmc.replay.schedstat import EngineCpu, measured_slowdowns
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.replay.under_load import (
     Contention,
@@ -48,6 +55,7 @@ from smetric_lmc.replay.under_load import (
     decode_s_per_token,
     fit_under_load,
     run_tps,
+    slowed,
     with_turnaround,
 )
 from smetric_lmc.sim.metrics import SimResult
@@ -65,6 +73,7 @@ class RealPoint:
     path: RequestPath
     contention: Contention
     conditions: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sim_bracketed: SimResult | None = None  # the calibrations' mean speed for every engine (the earlier model)
 
     def row(self) -> dict[str, Any]:
         ls, ss = self.live.summary, self.sim.summary
@@ -72,12 +81,20 @@ class RealPoint:
                 "tput_sim": run_tps(self.sim, tail_s=self.path.post),
                 "ttft_p50_live": ls["ttft_p50"], "ttft_p50_sim": float(np.nanmedian(self.contention.ttft(self.sim))),
                 "ttft_p50_sim_const": ss["ttft_p50"] + self.path.pre,
+                **self._bracketed(),
                 "path_pre_s": self.path.pre, "path_post_s": self.path.post,
                 "path_base_s": self.contention.base, "path_per_inflight_s": self.contention.per_inflight,
                 **self.conditions,
                 "hit_live": ls["hit_local"], "hit_sim": ss["hit_local"],
                 "sticky_live": ls["stickiness"], "sticky_sim": ss["stickiness"],
                 "reasons_live": reason_shares(ls), "reasons_sim": reason_shares(ss)}
+
+
+    def _bracketed(self) -> dict[str, Any]:
+        b = self.sim_bracketed or self.sim
+        return {"tput_sim_bracketed": run_tps(b, tail_s=self.path.post),
+                "ttft_p50_sim_bracketed": float(np.nanmedian(self.contention.ttft(b))),
+                "hit_sim_bracketed": b.summary["hit_local"]}
 
 
 def small_workload(sessions: int, turns: int, context_scale: float, output_scale: float, seed: int = 0) -> Workload:
@@ -212,6 +229,11 @@ def _set_policy(config_path: Path, data: dict[str, Any], policy: str, route_url:
 # every session to the engine that cached it first, which on a CPU box frees the other core for the
 # request path, an effect no accelerator cluster has (docs/validation.md).
 DEFAULT_POLICIES = ("smetric", "load_balance", "round_robin")
+# Which run share scales an engine's speed (``schedstat.EngineCpu.since``): every thread's. It cut the
+# mean throughput and TTFT p50 errors of a drifting run (calibrations 31% apart) from 10.5% and 27.6%
+# to 5.9% and 13.9%; on a steady run (4%) the worker's share and every thread's did about alike
+# (docs/validation.md, runs 3 and 4).
+SPEED_SIGNAL = "run_share_all"
 CALIBRATION_POLICY = "load_balance"  # spreads sessions over every engine, as most policies do
 
 
@@ -298,7 +320,7 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
     worst error of a single repeat (``*_repeat``), each policy's live throughputs per repeat, and the
     ranking (``ranking.rank_fields``)."""
     keys = ("tput_live", "tput_sim", "ttft_p50_live", "ttft_p50_sim", "ttft_p50_sim_const", "hit_live", "hit_sim",
-            "sticky_live", "sticky_sim")
+            "sticky_live", "sticky_sim", "tput_sim_bracketed", "ttft_p50_sim_bracketed", "hit_sim_bracketed")
     rows, by_pol = [], {}
     for pol in policies:
         mine = [r for r in slots if r["policy"] == pol]
@@ -319,6 +341,10 @@ def summarize_repeats(slots: list[dict[str, Any]], policies: list[str]) -> tuple
         "tput_rel_err_max_repeat": err(slots, "tput_sim", "tput_live"),
         "ttft_p50_rel_err_max_repeat": err(slots, "ttft_p50_sim", "ttft_p50_live"),
         "ttft_p50_rel_err_max_const_path": err(rows, "ttft_p50_sim_const", "ttft_p50_live"),
+        # the earlier model: every engine at the calibrations' mean speed, no measured run share
+        "hit_abs_err_max_bracketed": round(max(abs(r["hit_live"] - r["hit_sim_bracketed"]) for r in rows), 4),
+        "tput_rel_err_max_bracketed": err(rows, "tput_sim_bracketed", "tput_live"),
+        "ttft_p50_rel_err_max_bracketed": err(rows, "ttft_p50_sim_bracketed", "ttft_p50_live"),
         "tput_live_by_repeat": {k: [round(x) for x in v] for k, v in by_pol.items()},
         **rank_fields(rows),
     }
@@ -341,6 +367,7 @@ class _Slot:
                  knobs: dict[str, Any]) -> None:
         self.running, self.gateway, self.config_path, self.data = running, gateway, config_path, data
         self.route_url, self.cal, self.pgids, self.work, self.wl, self.cal_wl = route_url, cal, pgids, work, wl, cal_wl
+        self.engine_pgids = {e.instance_id: e.process.pid for e in running}
         self.engines, self.rate = knobs["engines"], knobs["rate"]
         self.max_think_s, self.seed = knobs["max_think_s"], knobs["seed"]
 
@@ -348,17 +375,21 @@ class _Slot:
         _set_policy(self.config_path, self.data, CALIBRATION_POLICY, self.route_url)
         _reset_caches(self.running)
         idle = measure_path(self.gateway, self.cal)
+        s0 = EngineCpu.sample(self.engine_pgids)
         cal_records = replay(self.cal_wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
                                                        seed=self.seed + 1, records=self.work / f"calibration-{tag}.jsonl"))
         loaded = fit_under_load(self.cal_wl, summarize_records(cal_records, policy=CALIBRATION_POLICY),
                                 self.cal.profile, idle, CALIBRATION_POLICY, self.engines, self.rate, self.seed + 1,
                                 self.max_think_s)
+        loaded.sched = EngineCpu.sample(self.engine_pgids).since(s0)
+        loaded.run_share = loaded.sched[SPEED_SIGNAL]
         ct = loaded.contention
         print(f"calibration {tag}: {run_tps(loaded.live):.0f} tok/s; decode {decode_s_per_token(loaded.live) * 1e3:.2f} "
               f"ms/token live ({decode_s_per_token(loaded.sim) * 1e3:.2f} simulated with the fit): engine iterations "
               f"{loaded.slowdown:.2f}x the idle probes'; request path before the first token "
               f"{loaded.pre * 1e3:.1f} ms at the median ({ct.base * 1e3:.1f} ms + {ct.per_inflight * 1e3:.1f} ms per "
-              f"request in flight on the engine; {idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last",
+              f"request in flight on the engine; {idle.pre * 1e3:.1f} ms idle), {idle.post * 1e3:.1f} ms after the last; "
+              f"run share {_fmt_shares(loaded.run_share)}",
               flush=True)
         return loaded, idle
 
@@ -367,15 +398,19 @@ class _Slot:
         _set_policy(self.config_path, self.data, pol, self.route_url)
         _reset_caches(self.running)
         cpu0, load0, t0 = _cpu_seconds(self.pgids), os.getloadavg()[0], time.monotonic()
+        s0 = EngineCpu.sample(self.engine_pgids)
         records = replay(self.wl, ReplayConfig(url=self.gateway, rate=self.rate, max_think_s=self.max_think_s,
                                                seed=self.seed, records=self.work / f"{tag}.jsonl"))
         wall = time.monotonic() - t0
+        sched = EngineCpu.sample(self.engine_pgids).since(s0)
+        share = sched[SPEED_SIGNAL]
         cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu_seconds(self.pgids).items()}
         live = summarize_records(records, policy=pol)
         print(f"{tag}: live {run_tps(live):.0f} tok/s; {live.summary['failed']} failed; load average {load0:.1f} -> "
-              f"{os.getloadavg()[0]:.1f}; CPU seconds over {wall:.1f} s: {cpu}", flush=True)
+              f"{os.getloadavg()[0]:.1f}; CPU seconds over {wall:.1f} s: {cpu}; run share {_fmt_shares(share)}",
+              flush=True)
         return live, {"replay_wall_s": round(wall, 2), "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                      "cpu_s": cpu}
+                      "cpu_s": cpu, "run_share": share, "sched": sched}
 
     def simulate(self, pol: str, rep: int, lived: tuple[SimResult, dict[str, Any]],
                  before: tuple[LoadedFit, RequestPath], after: tuple[LoadedFit, RequestPath]) -> RealPoint:
@@ -383,24 +418,37 @@ class _Slot:
         profile, factor, pre, ct = bracketed(before[0], after[0], self.cal.profile)
         write_profile(profile, self.work / f"calibrated-under-load-{pol}-r{rep}.yaml")
         path = RequestPath(pre, (before[1].post + after[1].post) / 2)
-        sim = simulate_like(with_turnaround(self.wl, path.turnaround, self.max_think_s), profile, pol, self.engines,
-                            self.rate, self.seed, 1e9)
+        wl = with_turnaround(self.wl, path.turnaround, self.max_think_s)
+        bracket = simulate_like(wl, profile, pol, self.engines, self.rate, self.seed, 1e9)
+        cal_share = {k: (before[0].run_share[k] + after[0].run_share[k]) / 2 for k in cond["run_share"]}
+        steal = measured_slowdowns(factor, cal_share, cond["run_share"])
+        # engine i of the live cluster is the simulator's instance i (both in start order)
+        sim = simulate_per_instance(wl, [slowed(self.cal.profile, steal[e.instance_id]) for e in self.running], pol,
+                                    self.rate, self.seed, 1e9)
         cond = {**cond, "idle_path_pre_s": (before[1].pre + after[1].pre) / 2, "slowdown": factor,
                 "slowdown_before_after": [round(before[0].slowdown, 3), round(after[0].slowdown, 3)],
-                "tput_calibration": [run_tps(before[0].live), run_tps(after[0].live)]}
-        return RealPoint(pol, rep, live, sim, path, ct, cond)
+                "tput_calibration": [run_tps(before[0].live), run_tps(after[0].live)],
+                "run_share_calibration": cal_share, "slowdown_steal": steal,
+                "sched_calibration": [before[0].sched, after[0].sched]}
+        return RealPoint(pol, rep, live, sim, path, ct, cond, bracket)
+
+
+def _fmt_shares(share: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in share.items())
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Live against simulated; "sim const" is the TTFT with a constant request path (no contention)."""
-    head = ["policy", "tok/s live", "sim", "TTFT p50 live", "sim", "sim const", "local hit live", "sim", "sticky live",
-            "sim"]
+    """Live against simulated (each engine at its measured speed); "bracketed": every engine at the
+    calibrations' mean speed (the earlier model); "sim const": a constant request path (no contention)."""
+    head = ["policy", "tok/s live", "sim", "bracketed", "TTFT p50 live", "sim", "bracketed", "sim const",
+            "local hit live", "sim", "bracketed", "sticky live", "sim"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = r["policy"] + (f" #{r['repeat']}" if "repeat" in r else "")
-        lines.append(f"| {name} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['ttft_p50_live']:.3f} | "
-                     f"{r['ttft_p50_sim']:.3f} | {r['ttft_p50_sim_const']:.3f} | {r['hit_live']:.3f} | "
-                     f"{r['hit_sim']:.3f} | {r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
+        lines.append(f"| {name} | {r['tput_live']:.0f} | {r['tput_sim']:.0f} | {r['tput_sim_bracketed']:.0f} | "
+                     f"{r['ttft_p50_live']:.3f} | {r['ttft_p50_sim']:.3f} | {r['ttft_p50_sim_bracketed']:.3f} | "
+                     f"{r['ttft_p50_sim_const']:.3f} | {r['hit_live']:.3f} | {r['hit_sim']:.3f} | "
+                     f"{r['hit_sim_bracketed']:.3f} | {r['sticky_live']:.3f} | {r['sticky_sim']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
