@@ -67,6 +67,8 @@ class ECTParams:
     # other half is its own prefill's); 0, 0: every queued token counts
     slack_s: float = 1.0
     slack_s_per_tok: float = 1.0e-4
+    drag_no_global: float = 0.0  # weight of the in-flight drag when the global tier holds none of the prefix
+    queue_no_global: float = 0.0  # and of the queue term (both 0: LMetric's score x t_tok)
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
@@ -82,8 +84,10 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     t_evict = p.displace * (p.fetch_us if g > 0 else t_tok)
     # waiting burns no GPU time, recomputing does: at the knee only a wait past the SLO costs throughput
     free_us = 1e6 * (p.slack_s + p.slack_s_per_tok * L)
+    drag = p.inflight_us * (1.0 if g > 0 else p.drag_no_global)
+    wq = 1.0 if g > 0 else p.queue_no_global
     return [
-        max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        wq * max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + drag * li
         + t_evict * (L - ci)
         for ci, li, q in zip(view.local_hit, flight, queued)
     ]
@@ -91,7 +95,7 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
 
 @register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
     cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio,
-    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok)})
+    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok, cfg.ect_drag_no_global, cfg.ect_queue_no_global)})
 def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
     if n == 0:

@@ -59,13 +59,13 @@ class Size:
     extend: int = 1  # rounds of one more load step for a policy best at either end of its sweep
 
 
-# 32 instances for the settings; the 5 x 4 map on 8 instances over two arrival seeds, each cell's window
+# 32 instances for the settings; the 5 x 4 map on 8 instances over three arrival seeds, each cell's window
 # stretched to >= 150 root sessions at its knee (long contexts saturate at a few sessions per minute).
 # Three rounds of bracketing: without a global tier the pilot's 90%-busy rate is past every policy's
 # SLO cliff, and one step down (1/1.5) still left each best at its lowest load.
 FULL = Size(32, 1200.0, 1500, (1.0, 1.4), 2, False,
             MapSpec(xs=(0.02, 0.05, 0.15, 0.3, 0.6), instances=8, pool_roots=600, window_s=1200.0,
-                    rate_factors=(1.0, 1.4), variant=VARIANT, seeds=(0, 1), min_sessions=150, extend=3),
+                    rate_factors=(1.0, 1.4), variant=VARIANT, seeds=(0, 1, 2), min_sessions=150, extend=3),
             extend=3)  # fmt: skip
 # On 4 instances the seed-to-seed spread of a cell's ratio reaches 0.1-0.35 (8 halve it, at twice the time).
 QUICK = Size(8, 600.0, 200, (1.0, 1.5), 2, False,
