@@ -17,16 +17,29 @@ the request's TTFT SLO. So the queue is priced only past a slack of half the SLO
 other half is the request's own prefill): with it that cell went to 0.93x (0.80/1.06 over two
 seeds), the others within +-0.02 (bench/map_cells.py).
 
+What the decision traces showed next (trace1 map, no global tier, x = 0.05, seed 1, where LMetric
+beat it by 12%): at its peak the variant moved 22% of requests off their holder as overloaded, each
+recomputing ~25 k of its ~45 k prompt tokens, and its TPS within SLO peaked at 0.67x the knee load
+(26.1 k); LMetric, whose (L - c) x (l + 1) ignores queues, moved 12% and peaked at the knee (29.8 k).
+The queue term was the mover: without a global copy a move recomputes the context, so the work it adds
+elsewhere lengthens the queues it fled. When the global tier holds none of the prefix the queue and
+the in-flight drag therefore weigh 0 by default (``queue_no_global``, ``drag_no_global``) and the cost
+is t_tok x (L - c) x (1 + l): LMetric's score times the prefill cost per token, the same choice.
+Half weights (queue 0.5) gave 0.98-1.02x LMetric on that row; the queue without the drag 0.93-1.01x;
+the drag without the queue 0.90-1.01x (seeds 0, 1; the full cost was 0.92-0.97x). Where the global
+tier holds the prefix, a move only fetches, and the full cost applies as before.
+
 The cost of the request on instance i, in µs:
 
-    cost[i] = max(0, t_tok * unprefilled[i] - slack)                  prefill queued ahead of it, past the slack
+    cost[i] = w_q * max(0, t_tok * unprefilled[i] - slack)            prefill queued ahead of it, past the slack
             + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
               * (1 + load[i])                                         ... which stall the whole batch
-            + t_flight * load[i]                                      drag of the in-flight requests
+            + w_d * t_flight * load[i]                                drag of the in-flight requests
             + displace * t_evict * (L - c[i])                         KV it evicts there (off by default)
     t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
     slack   = slack_s + slack_s_per_tok * L                           (half the TTFT SLO a + b L)
     t_evict = fetch_us with the prefix in the global tier, else t_tok
+    w_q, w_d = 1 with the prefix (g > 0) in the global tier, else queue_no_global, drag_no_global (0, 0)
 
 The displacement term prices the other sessions' KV a move evicts on its target; it helped at x =
 0.02 (+6%) and hurt at x = 0.5 (-13%, both without a global tier, two seeds), so it ships off.

@@ -399,7 +399,9 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
         "knee: a pilot run of SMetric scales the rate towards 90% GPU busy, then every policy runs at "
         f"{', '.join(f'{f:g}' for f in size.factors)} × that rate and is credited with its best TPS within SLO (its "
         "peak row); a policy best at its lowest load gets a run 1.5× lower, one best at its highest load, or not "
-        "yet 80% busy there, a run 1.5× higher, so each peak is bracketed. A peak below 80% GPU busy is marked ⚠ "
+        "yet 80% busy there, a run 1.5× higher, so each peak is bracketed; and every policy also runs at every load "
+        "where another policy of the setting peaked (past the SLO cliff TPS within SLO is not monotone in the "
+        "load: a lucky run past the cliff must not stand for a policy's peak). A peak below 80% GPU busy is marked ⚠ "
         "and flagged with its cause (see each setting's flags): SLO-bound (more load saturated its GPUs but lost "
         "SLO), load-skewed (its busiest instance saturated while the mean stayed low: more load only queues "
         "there), or the sweep did not reach its knee.",
