@@ -46,6 +46,10 @@ class PolicyConfig(_Cfg):
     ect_displace: float = 0.0  # share of the KV a move evicts on its target that is reused later
     ect_slack_s: float = 1.0  # queued prefill waited for free: ect_slack_s + ect_slack_s_per_tok x prompt
     ect_slack_s_per_tok: float = 1.0e-4
+    # weight of the in-flight drag and of the queue term when the global tier holds none of the prefix
+    # (0: the cost is then LMetric's score x the prefill cost per token)
+    ect_drag_no_global: float = 0.0
+    ect_queue_no_global: float = 0.0
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -60,7 +64,7 @@ class PolicyConfig(_Cfg):
         if not 0 <= self.cost_fetch_discount <= 1:
             raise ValueError("cost_fetch_discount must be within [0, 1]")
         for k in ("ect_prefill_us", "ect_prefill_us_per_ktok", "ect_fetch_us", "ect_inflight_us", "ect_displace",
-                  "ect_slack_s", "ect_slack_s_per_tok"):
+                  "ect_slack_s", "ect_slack_s_per_tok", "ect_drag_no_global", "ect_queue_no_global"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"{k} must be >= 0")
 

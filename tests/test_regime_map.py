@@ -121,8 +121,9 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
     assert kr.knee_rate == pytest.approx(0.9)  # the pilot (busy 0.5 at 0.5/s) scaled towards 90% busy
     assert kr.window_s == pytest.approx(200.0)  # stretched so 180 sessions arrive at 0.9/s
     k = kr.knee_rate
-    assert sorted(kr.by_rate["smetric"]) == pytest.approx([k / 1.5, k, 1.5 * k])
-    assert sorted(kr.by_rate["load_balance"]) == pytest.approx([k, 1.5 * k, 2.25 * k])
+    # each also at the loads where the others peaked (smetric at load_balance's 2.25, and back)
+    assert sorted(kr.by_rate["smetric"]) == pytest.approx([k / 1.5, k, 1.5 * k, 2.25 * k])
+    assert sorted(kr.by_rate["load_balance"]) == pytest.approx([k / 1.5, k, 1.5 * k, 2.25 * k])
     assert sorted(kr.by_rate["lmetric"]) == pytest.approx([k / 1.5, k, 1.5 * k, 2.25 * k])
     assert kr.rate_factor["smetric"] == pytest.approx(1 / 1.5) and kr.rate_factor["load_balance"] == pytest.approx(2.25)
     flags = " | ".join(kr.flags)
@@ -142,6 +143,42 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
     knee_mod.refresh_flags(kr)
     assert "lmetric: peak at old wording" not in kr.flags
     assert any(f.startswith("lmetric: peak at 30% GPU busy and no run above 68%") for f in kr.flags)
+
+
+def test_knee_sweep_runs_every_policy_where_another_peaked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regime map's "collapse" (one seed of a cell at 0.1-0.3x, the other at ~1x): past its SLO
+    cliff a policy's TPS within SLO is small and not monotone, and a local search credited a bump past
+    the cliff. Hand-built curves from that cell: load_balance peaks below the knee and is extended down
+    to it; the variant scores 1.5 at the knee and 3.8 at 1.4x (a bump), so on its own its best looks
+    bracketed at 1.4x; run where load_balance peaked it scores its true 14."""
+    from smetric_lmc.sim import knee as knee_mod
+
+    curves = {  # policy -> score by rate factor
+        "load_balance": {1 / 1.5: 13.0, 1.0: 3.2, 1.4: 2.3, 1.4 * 1.5: 0.0, 1 / 1.5**2: 9.0},
+        "smetric_ect": {1 / 1.5: 14.0, 1.0: 1.5, 1.4: 3.8, 1.4 * 1.5: 0.0, 1 / 1.5**2: 9.5},
+    }
+
+    def fake_run(wls, tasks, jobs=1, desc=""):  # noqa: ANN001, ANN202
+        out = []
+        for t in tasks:
+            c = curves[t.policy.name]
+            f = min(c, key=lambda v: abs(v - t.cfg.rate))  # the knee rate is 1.0
+            s = {"pd": False, "tps_slo": c[f], "gpu_busy_share": 0.9, "gpu_busy_max": 1.0, "token_imbalance_mean": 1.5}
+            out.append(SimResult(t.policy.name, s, np.empty(0), np.empty(0), np.empty(0)))
+        return out
+
+    monkeypatch.setattr(knee_mod, "run_tasks", fake_run)
+    monkeypatch.setattr(knee_mod, "guess_rate", lambda wl, prof, n: 1.0)
+    cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
+    pols = [PolicyConfig(name="load_balance"), PolicyConfig(name="smetric_ect")]
+    res = knee_sweeps({"w": None}, {"s": Setting("w", cfg, PROF)}, pols, pols[0], (1.0, 1.4), pilots=0,  # type: ignore[dict-item]
+                      extend=3)  # fmt: skip
+    kr = res["s"]
+    assert kr.score("load_balance") == 13.0 and kr.rate_factor["load_balance"] == pytest.approx(1 / 1.5)
+    assert kr.score("smetric_ect") == 14.0 and kr.rate_factor["smetric_ect"] == pytest.approx(1 / 1.5)
+    # and, best at that new bottom, the variant was bracketed below it too
+    assert min(kr.by_rate["smetric_ect"]) == pytest.approx(1 / 1.5**2)
+    assert kr.ratio("smetric_ect", ["load_balance"]) == pytest.approx(14 / 13)
 
 
 def _knee(scores: dict[str, float]) -> KneeResult:

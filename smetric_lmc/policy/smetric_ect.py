@@ -17,16 +17,29 @@ the request's TTFT SLO. So the queue is priced only past a slack of half the SLO
 other half is the request's own prefill): with it that cell went to 0.93x (0.80/1.06 over two
 seeds), the others within +-0.02 (bench/map_cells.py).
 
+What the decision traces showed next (trace1 map, no global tier, x = 0.05, seed 1, where LMetric
+beat it by 12%): at its peak the variant moved 22% of requests off their holder as overloaded, each
+recomputing ~25 k of its ~45 k prompt tokens, and its TPS within SLO peaked at 0.67x the knee load
+(26.1 k); LMetric, whose (L - c) x (l + 1) ignores queues, moved 12% and peaked at the knee (29.8 k).
+The queue term was the mover: without a global copy a move recomputes the context, so the work it adds
+elsewhere lengthens the queues it fled. When the global tier holds none of the prefix the queue and
+the in-flight drag therefore weigh 0 by default (``queue_no_global``, ``drag_no_global``) and the cost
+is t_tok x (L - c) x (1 + l): LMetric's score times the prefill cost per token, the same choice.
+Half weights (queue 0.5) gave 0.98-1.02x LMetric on that row; the queue without the drag 0.93-1.01x;
+the drag without the queue 0.90-1.01x (seeds 0, 1; the full cost was 0.92-0.97x). Where the global
+tier holds the prefix, a move only fetches, and the full cost applies as before.
+
 The cost of the request on instance i, in µs:
 
-    cost[i] = max(0, t_tok * unprefilled[i] - slack)                  prefill queued ahead of it, past the slack
+    cost[i] = w_q * max(0, t_tok * unprefilled[i] - slack)            prefill queued ahead of it, past the slack
             + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
               * (1 + load[i])                                         ... which stall the whole batch
-            + t_flight * load[i]                                      drag of the in-flight requests
+            + w_d * t_flight * load[i]                                drag of the in-flight requests
             + displace * t_evict * (L - c[i])                         KV it evicts there (off by default)
     t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
     slack   = slack_s + slack_s_per_tok * L                           (half the TTFT SLO a + b L)
     t_evict = fetch_us with the prefix in the global tier, else t_tok
+    w_q, w_d = 1 with the prefix (g > 0) in the global tier, else queue_no_global, drag_no_global (0, 0)
 
 The displacement term prices the other sessions' KV a move evicts on its target; it helped at x =
 0.02 (+6%) and hurt at x = 0.5 (-13%, both without a global tier, two seeds), so it ships off.
@@ -67,6 +80,8 @@ class ECTParams:
     # other half is its own prefill's); 0, 0: every queued token counts
     slack_s: float = 1.0
     slack_s_per_tok: float = 1.0e-4
+    drag_no_global: float = 0.0  # weight of the in-flight drag when the global tier holds none of the prefix
+    queue_no_global: float = 0.0  # and of the queue term (both 0: LMetric's score x t_tok)
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
@@ -82,8 +97,10 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     t_evict = p.displace * (p.fetch_us if g > 0 else t_tok)
     # waiting burns no GPU time, recomputing does: at the knee only a wait past the SLO costs throughput
     free_us = 1e6 * (p.slack_s + p.slack_s_per_tok * L)
+    drag = p.inflight_us * (1.0 if g > 0 else p.drag_no_global)
+    wq = 1.0 if g > 0 else p.queue_no_global
     return [
-        max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + p.inflight_us * li
+        wq * max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + drag * li
         + t_evict * (L - ci)
         for ci, li, q in zip(view.local_hit, flight, queued)
     ]
@@ -91,7 +108,7 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
 
 @register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
     cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio,
-    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok)})
+    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok, cfg.ect_drag_no_global, cfg.ect_queue_no_global)})
 def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
     if n == 0:

@@ -7,7 +7,11 @@ towards ``TARGET_BUSY`` (twice, by default). Every policy then runs at ``factors
 is credited with its best score. A policy whose best is its highest load, or whose highest load
 left its GPUs under ``BUSY_FLAG`` busy (the sweep has not reached its saturation knee yet), gets
 one more run ``EXTEND_STEP`` x further, and one whose best is its lowest load one run ``EXTEND_STEP``
-x lower (its SLO gave out below the knee rate: the peak is not bracketed), up to ``extend`` times. With ``min_sessions``, each setting's
+x lower (its SLO gave out below the knee rate: the peak is not bracketed), up to ``extend`` times.
+Every policy also runs at every load where another policy of its setting peaked: past the SLO cliff
+TPS within SLO is small and not monotone in the load, and a policy whose one lucky run past the cliff
+beat its run at the knee was otherwise credited with that bump (a "collapse" of 5-10x in one seed of
+the regime map that was the search, not the policy). With ``min_sessions``, each setting's
 arrival window is then stretched so at least that many root sessions arrive at its knee rate (a
 cell with long contexts saturates at a few sessions per minute: a short window measures a handful).
 
@@ -103,7 +107,8 @@ def knee_sweeps(
 ) -> dict[Hashable, KneeResult]:
     """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
     ``EXTEND_STEP`` x further, for the policies whose best is still their top load or whose top load
-    did not saturate their GPUs."""
+    did not saturate their GPUs; and every policy also at every load where another policy of the same
+    setting peaked."""
     keys = list(settings)
     knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
     for it in range(pilots):
@@ -119,39 +124,47 @@ def knee_sweeps(
     todo = [(k, pol, f) for k in keys for pol in policies for f in factors]
     top = {(k, pol.name): max(factors) for k in keys for pol in policies}
     bottom = {(k, pol.name): min(factors) for k in keys for pol in policies}
+    ran: dict[tuple[Hashable, str], set[float]] = {(k, pol.name): set() for k in keys for pol in policies}
     top_busy: dict[tuple[Hashable, str], float] = {}
-    for rnd in range(extend + 1):
+    rnd = 0
+    while todo:
         tasks = [
             Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), pol, settings[k].profile)
             for k, pol, f in todo
         ]
-        label = desc if rnd == 0 else f"{desc}: past the top load ({rnd}/{extend})"
+        label = desc if rnd == 0 else f"{desc}: bracketing ({rnd}/{extend + 1})"
         for (k, pol, f), r in zip(todo, run_tasks(workloads, tasks, jobs, desc=label), strict=True):
             kr = out[k]
             kr.by_rate.setdefault(pol.name, {})[knee[k] * f] = r.score
+            ran[(k, pol.name)].add(f)
             busy = float(r.summary.get("gpu_busy_share", 0.0))
             kr.busiest[pol.name] = max(kr.busiest.get(pol.name, 0.0), busy)
+            top[(k, pol.name)] = max(top[(k, pol.name)], f)
+            bottom[(k, pol.name)] = min(bottom[(k, pol.name)], f)
             if f >= top[(k, pol.name)]:
                 top_busy[(k, pol.name)] = busy
             if pol.name not in kr.peaks or r.score > kr.peaks[pol.name].score:
                 kr.peaks[pol.name] = r
                 kr.rate_factor[pol.name] = f
-        if rnd == extend:
-            break
-        # a policy still best at its top load, or not yet saturated there, has not shown its knee;
-        # one best at its bottom load peaks below it (past its SLO cliff already): one step down
-        up = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
-              if (out[k].rate_factor[pol.name] >= top[(k, pol.name)] and len(factors) > 1)
-              or top_busy.get((k, pol.name), 1.0) < BUSY_FLAG]  # fmt: skip
-        down = [(k, pol, bottom[(k, pol.name)] / EXTEND_STEP) for k in keys for pol in policies
-                if out[k].rate_factor[pol.name] <= bottom[(k, pol.name)] and len(factors) > 1]  # fmt: skip
-        for k, pol, f in up:
-            top[(k, pol.name)] = f
-        for k, pol, f in down:
-            bottom[(k, pol.name)] = f
-        todo = up + down
-        if not todo:
-            break
+        up: list[tuple[Hashable, PolicyConfig, float]] = []
+        down: list[tuple[Hashable, PolicyConfig, float]] = []
+        if rnd < extend and len(factors) > 1:
+            # a policy still best at its top load, or not yet saturated there, has not shown its knee;
+            # one best at its bottom load peaks below it (past its SLO cliff already): one step down
+            up = [(k, pol, top[(k, pol.name)] * EXTEND_STEP) for k in keys for pol in policies
+                  if out[k].rate_factor[pol.name] >= top[(k, pol.name)]
+                  or top_busy.get((k, pol.name), 1.0) < BUSY_FLAG]  # fmt: skip
+            down = [(k, pol, bottom[(k, pol.name)] / EXTEND_STEP) for k in keys for pol in policies
+                    if out[k].rate_factor[pol.name] <= bottom[(k, pol.name)]]  # fmt: skip
+        # past its SLO cliff a policy's TPS within SLO is small and not monotone in the load (a few
+        # requests meet the SLO by luck), so a local search can credit a bump past the cliff as its
+        # peak; every policy also runs at every load where another policy of the setting peaked
+        # (the same loads for all: a paired comparison), and the extension goes on from there
+        planned = {(k, pol.name, f) for k, pol, f in up + down}
+        cross = [(k, pol, f) for k in keys for pol in policies for f in sorted(set(out[k].rate_factor.values()))
+                 if f not in ran[(k, pol.name)] and (k, pol.name, f) not in planned]  # fmt: skip
+        todo = up + down + cross
+        rnd += 1
     for k, kr in out.items():
         for name, r in kr.peaks.items():
             if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:

@@ -373,7 +373,8 @@ def map_markdown(m: RegimeMap, png: str | None = None) -> str:
         f"Preset `{sp.preset}`, {sp.instances} instances; the profile's {m.kv_tokens:,} KV tokens per instance, grown "
         "below the preset's natural x (column `KV`), contexts scaled above it (column `scale`). Each cell at its own "
         f"knee: rates {', '.join(f'{f:g}' for f in sp.rate_factors)} × the rate a pilot put at {TARGET_BUSY:.0%} GPU busy "
-        "(one more run 1.5× beyond for a policy best at either end, or not 80% busy at the top), over an arrival "
+        "(one more run 1.5× beyond for a policy best at either end, or not 80% busy at the top; and every policy at "
+        "every load where another policy of the cell peaked), over an arrival "
         f"window of ≥ {sp.window_s:g} s" + (f" stretched to ≥ {sp.min_sessions} root sessions" if sp.min_sessions else "")
         + f", its first {sp.warmup_share:.0%} warm-up; every policy credited with its best. Best baseline among {', '.join(sp.baselines)}. "
         "Columns: measured x = mean input ÷ KV tokens per instance. `*`: a flagged cell (see below).\n",
