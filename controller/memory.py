@@ -77,12 +77,18 @@ def running_allocator() -> str:
 def exec_with_allocator(allocator: str) -> None:
     """Restart this process (same pid, same command line) under ``allocator`` if it runs another.
 
-    Why the controller defaults to ``malloc``: pymalloc returns a 1 MiB arena to the OS only once
-    every object in it is freed, so a burst of short-lived per-request objects with a few
-    long-lived ones among them (a counter's latest value, a new session's entry) keeps most of its
-    arenas resident for good: bench/inflight_bytes.py measures 31 MB kept after 160 k expired
-    requests with 32 survivors, 1 MB under ``PYTHONMALLOC=malloc``, where a survivor pins a 4 KiB
-    page and :class:`Trimmer` returns the rest. An explicit ``PYTHONMALLOC`` other than these two
+    What ``malloc`` buys: pymalloc returns a 1 MiB arena to the OS only once every object in it is
+    freed, so a burst of short-lived objects with a few long-lived ones among them (a counter's
+    latest value, a new session's entry) keeps most of its arenas resident for good:
+    ``bench/inflight_bytes.py --n 160000`` measures 31 MB kept after 160 k expired requests with 32 survivors,
+    1 MB under ``PYTHONMALLOC=malloc``, where a survivor pins a 4 KiB page and :class:`Trimmer`
+    returns the rest (bench/soak.py: RSS growth 30 MB under malloc, 53 MB under pymalloc, most of
+    it arenas the hostile storm's decoded lists left). What it costs: every small object comes
+    from glibc, ~20% of the KV-event ingest rate and 25-40% of the route rate
+    (``PYTHONMALLOC=malloc|pymalloc python bench/controller.py --quick``, alternated), and a trim
+    walks a larger heap while the loop waits on its lock. Hence pymalloc by default, ``malloc``
+    where memory after bursts matters more than peak rate. An explicit ``PYTHONMALLOC`` other
+    than these two
     (e.g. ``malloc_debug``) is left as it is.
     """
     if allocator not in ALLOCATORS:

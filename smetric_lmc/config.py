@@ -134,8 +134,8 @@ class ServerConfig(_Cfg):
     curve_secret_key: str | None = None  # Z85; enables ZMQ CURVE on the route socket
     curve_public_key: str | None = None
     curve_client_keys: list[str] = []  # Z85 public keys allowed in; ["*"] = any key (encryption only)
-    # "malloc": the controller restarts itself under PYTHONMALLOC=malloc (controller/memory.py says why)
-    allocator: str = "malloc"
+    # "malloc": the controller restarts itself under PYTHONMALLOC=malloc (trade-off: controller/memory.py)
+    allocator: str = "pymalloc"
 
     def __post_init__(self) -> None:
         if self.allocator not in ("malloc", "pymalloc"):
