@@ -3,8 +3,9 @@
     python bench/inflight_bytes.py [--n 100000]
 
 Python heap bytes (tracemalloc) per entry for: a request in flight in ``LoadTracker`` (its
-request id string included), a route already reported done whose age-queue record waits for
-``expire_s``, and a distinct routed prompt pending in the index (``Pending``, 16 blocks).
+request id string included), a route already reported done within ``expire_s`` (its age cohort
+lets go of it on done, so this should be ~0: an age queue of every route kept ~119 B each for
+``expire_s``), and a distinct routed prompt pending in the index (``Pending``, 16 blocks).
 
 Then what stays resident once ``--n`` in-flight requests have all expired (fresh processes, RSS
 after a ``malloc_trim``): ``retained_mb`` plain, and ``retained_survivors_mb`` when one small
@@ -96,7 +97,7 @@ def main() -> None:
             lt.on_route(f"s{k}", "a", 256)
         return lt
 
-    def done_queued() -> LoadTracker:
+    def done() -> LoadTracker:
         lt = LoadTracker(lambda: 0.0, expire_s=30.0)
         for k in range(n):
             lt.on_route(f"s{k}", "a", 256)
@@ -109,7 +110,7 @@ def main() -> None:
             pd.add(0, c, 0.0)
         return pd
 
-    out = {"in_flight_bytes": per_entry(in_flight, n), "done_queued_bytes": per_entry(done_queued, n),
+    out = {"in_flight_bytes": per_entry(in_flight, n), "done_bytes": per_entry(done, n),
            "pending_prompt_bytes": per_entry(pending, n),
            "retained_mb": retained_mb(n, False), "retained_survivors_mb": retained_mb(n, True),
            "retained_survivors_malloc_mb": retained_mb(n, True, pymalloc=False)}

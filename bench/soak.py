@@ -43,6 +43,12 @@ use / free, pymalloc arenas against the blocks in use in them; see bench/infligh
 why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
 <= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
 restart, soak p99 <= 5 ms, routes/s growing with replicas.
+
+Diagnosis (each slows the run a little; quote figures from runs without them):
+``--slow-callbacks`` names the event-loop callbacks (by task) that ran over 15 ms and times the
+load tracker's and the index's upkeep calls; ``--diag-end`` prints RSS after a full GC and a
+``malloc_trim`` and a census of the live objects by pymalloc arena (``bench/arena_census.py``:
+which objects keep sparse arenas resident); ``--sample-loop`` and ``--tracemalloc`` as above.
 """
 
 from __future__ import annotations
@@ -268,6 +274,47 @@ def explain_stalls(worst: list[tuple[float, float, float, float, float, str]], t
     return out
 
 
+def watch_slow_callbacks(keep_over_s: float = 0.015) -> list[tuple[float, str, str]]:
+    """Diagnosis: time every event-loop callback; returns the list it fills with (seconds, phase
+    unknown here so wall time, callback) for those over ``keep_over_s``. ~1 us per callback."""
+    import asyncio.events
+
+    slow: list[tuple[float, str, str]] = []
+    run = asyncio.events.Handle._run
+
+    def timed(self: Any) -> None:
+        t0 = time.perf_counter()
+        run(self)
+        d = time.perf_counter() - t0
+        if d > keep_over_s:
+            task = getattr(self._callback, "__self__", None)
+            what = repr(self)[:200]
+            if isinstance(task, asyncio.Task):
+                coro = task.get_coro()
+                what = f"task {task.get_name()} {getattr(coro, '__qualname__', coro)}"
+            slow.append((round(d * 1000, 1), time.strftime("%H:%M:%S"), what))
+
+    asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+    return slow
+
+
+def time_calls(slow: list[tuple[float, str, str]], obj: Any, *names: str, over_s: float = 0.008) -> None:
+    """Diagnosis: wrap ``obj``'s methods ``names`` so calls over ``over_s`` join ``slow``."""
+    for name in names:
+        method = getattr(obj, name)
+
+        def timed(*a: Any, _m: Any = method, _n: str = f"{type(obj).__name__}.{name}", **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _m(*a, **kw)
+            finally:
+                d = time.perf_counter() - t0
+                if d > over_s:
+                    slow.append((round(d * 1000, 1), time.strftime("%H:%M:%S"), _n))
+
+        setattr(obj, name, timed)
+
+
 def heap_mb() -> dict[str, float]:
     """glibc heap (in use, free) and pymalloc arenas, in MB: where RSS sits."""
     from smetric_lmc.controller.memory import heap_info
@@ -444,6 +491,8 @@ def curve_refuses_unknown_client() -> bool:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     pub_port, replay_port = free_ports(2)
     cfg = hostile.target_config("soak", 16, pub_port, replay_port)
+    if args.worker_timeout_s is not None:  # diagnosis: let the storm's LMCache workers expire within a short run
+        cfg["limits"] = {"lmcache_worker_timeout_s": args.worker_timeout_s}
     crashes = CrashCounter()
     logging.getLogger().addHandler(crashes)
     logging.getLogger("smetric_lmc").setLevel(logging.ERROR)  # a storm logs a warning per bad gap
@@ -474,6 +523,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         gc_pauses(lag)
         lag["phase"] = "storm"
         sampler = None
+        slow = watch_slow_callbacks() if args.slow_callbacks else None
+        if slow is not None:  # which upkeep step a slow index-maintain turn was
+            time_calls(slow, app.load, "expire", "drain", "_compact")
+            time_calls(slow, app.index, "maintain", "expire")
+            time_calls(slow, app.index._tree, "sweep")
+            time_calls(slow, app.index._pending, "expire", "_maybe_compact")
+            time_calls(slow, app.index._orphans, "expire")
         if args.sample_loop:
             import threading
 
@@ -529,6 +585,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             malloc_trim()
             diag["after_trim"] = (round(rss_mb(), 1), heap_mb())
             print(f"diag_end: {diag}", file=sys.stderr)
+            from arena_census import census
+
+            print(f"arena_census: {json.dumps(census(), default=str)}", file=sys.stderr)
+        if slow is not None:
+            print(f"slow_callbacks: {sorted(slow, reverse=True)[:8]}", file=sys.stderr)
         samples = None
         if sampler is not None:
             sampler_conn.send("stop")
@@ -618,6 +679,10 @@ def main() -> None:
                    help="diagnosis: after the final RSS reading, print RSS after a full GC and after a malloc_trim")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                    help="diagnosis: trace Python allocations (slow) and print the top growth by line")
+    p.add_argument("--slow-callbacks", action="store_true",
+                   help="diagnosis: report the event-loop callbacks that ran over 15 ms (printed at the end)")
+    p.add_argument("--worker-timeout-s", type=float, default=None,
+                   help="limits.lmcache_worker_timeout_s (default: the config's); a short one lets a smoke run see them expire")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
     p.add_argument("--allocator", choices=ALLOCATORS, default=ServerConfig().allocator,

@@ -526,14 +526,19 @@ class ControllerApp:
         # clear emptied (AllBlocksCleared, a stale TTL; ingest also frees a slice per store) and
         # in-flight entries of instances taken out of routing, and of requests never reported
         # done (past load.lost_done_grace_s: routes expire them too, but an idle one must as well).
+        # Each slice is its own loop turn: run back to back, the in-flight expiry and the index's
+        # pending-prompt expiry made one 30-60 ms callback once a burst of lost requests came due
+        # (bench/soak.py --slow-callbacks).
         while True:
             busy = False
             if self.load.expire_due():
                 self.load.expire()
                 busy = True
+                await asyncio.sleep(0)
             if self.index.needs_maintenance:
                 self.index.maintain()
                 busy = True
+                await asyncio.sleep(0)
             if self.load.drain():
                 busy = True
             await asyncio.sleep(0 if busy else 0.2)

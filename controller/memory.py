@@ -35,7 +35,8 @@ import logging
 import os
 import sys
 import time
-from collections import deque
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,12 @@ class Trimmer:
 
     ``spans`` keeps the (start, end) ``time.perf_counter()`` of recent calls (the gate's check
     included), so a loop-stall probe can tell whether a stall overlapped one; ``stats`` counts
-    trims and skips and keeps the longest trim's and the longest check's duration."""
+    trims and skips and keeps the longest trim's and the longest check's duration.
+
+    The spans live in a preallocated array, not a deque of tuples: a tuple and two floats made
+    every few seconds and kept for an hour land in whatever pymalloc pools a burst of requests
+    just freed, and each one keeps its 1 MiB arena resident after the burst is gone
+    (``bench/arena_census.py`` found them pinning most of the arenas a soak left)."""
 
     def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024,
                  max_skip_s: float = 60.0) -> None:
@@ -153,7 +159,8 @@ class Trimmer:
         # while ``min_free`` bytes are free at all.
         self.max_skip_s = max_skip_s
         self._last_trim = time.monotonic()
-        self.spans: deque[tuple[float, float]] = deque(maxlen=keep)
+        self._spans = np.zeros((keep, 2))
+        self._calls = 0
         self.stats = {"trims": 0, "skipped": 0, "max_trim_ms": 0.0, "total_trim_ms": 0.0, "max_check_ms": 0.0}
         self._libc = _libc()
         self._gated = self._libc is not None and hasattr(self._libc, "mallinfo2")
@@ -179,7 +186,7 @@ class Trimmer:
         if not self.due():
             self.stats["skipped"] += 1
             t1 = time.perf_counter()
-            self.spans.append((t0, t1))
+            self._record(t0, t1)
             self.stats["max_check_ms"] = max(self.stats["max_check_ms"], (t1 - t0) * 1000)
             return False
         released = bool(self._libc.malloc_trim(0))
@@ -187,13 +194,26 @@ class Trimmer:
         if self._gated:
             self._free_after = int(self._libc.mallinfo2().fordblks)
         t1 = time.perf_counter()
-        self.spans.append((t0, t1))
+        self._record(t0, t1)
         ms = (t1 - t0) * 1000
         self.stats["trims"] += 1
         self.stats["total_trim_ms"] += ms
         self.stats["max_trim_ms"] = max(self.stats["max_trim_ms"], ms)
         log.debug("malloc_trim took %.1f ms (released: %s)", ms, released)
         return released
+
+    def _record(self, t0: float, t1: float) -> None:
+        row = self._spans[self._calls % len(self._spans)]
+        row[0], row[1] = t0, t1
+        self._calls += 1
+
+    @property
+    def spans(self) -> list[tuple[float, float]]:
+        """The recent calls' (start, end), oldest first."""
+        keep = len(self._spans)
+        n = min(self._calls, keep)
+        order = [(self._calls - n + i) % keep for i in range(n)]
+        return [(float(a), float(b)) for a, b in self._spans[order]]
 
     def overlapping(self, start: float, end: float) -> list[tuple[float, float]]:
         """Trims (perf_counter spans) that overlapped ``[start, end]``."""

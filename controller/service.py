@@ -556,7 +556,7 @@ class RouteService:
             if len(payload) > self.OFFLOAD_BYTES:
                 if self._prep.start():  # started already, or now (a large frame in the first second)
                     self.counters["offloaded"] += 1
-                    task = asyncio.ensure_future(self._answer_offloaded(sync, prefix, payload))
+                    task = asyncio.ensure_future(self._answer_offloaded(prefix, payload))
                     self._offloaded.add(task)
                     task.add_done_callback(self._offloaded.discard)
                     return 0
@@ -566,7 +566,7 @@ class RouteService:
             self._send(sync, reply)
         return len(frames[-1])
 
-    async def _answer_offloaded(self, sync: zmq.Socket, prefix: list[bytes], payload: bytes) -> None:
+    async def _answer_offloaded(self, prefix: list[bytes], payload: bytes) -> None:
         as_json = is_json(payload)
         core = self.core
         t0 = time.perf_counter()
@@ -588,7 +588,29 @@ class RouteService:
             else:
                 reply = core.answer(out[1], as_json, t0=t0)
         if not self._closing:
-            self._send(sync, [*prefix, reply])
+            self._send_waking([*prefix, reply])
+
+    def _send_waking(self, reply: list[bytes]) -> None:
+        """``_send`` from a task of its own, while ``run`` may wait for the socket's descriptor.
+
+        ZMQ signals that descriptor once per batch of arrivals, and a send that takes in a new
+        request clears the signal: ``run`` then waited for good while requests queued up (the
+        route service hung under bench/soak.py's storm of large frames). A send through the asyncio
+        socket makes pyzmq look for such requests afterwards and hand them to the waiting receive.
+        """
+        if self._sock is None:
+            return
+        self.counters["replies"] += 1
+        try:
+            sent = self._sock.send_multipart(reply, zmq.NOBLOCK)  # done at once: no send here waits
+        except zmq.ZMQError as exc:  # the socket closed under us
+            self._send_failed(exc)
+            return
+        sent.add_done_callback(self._count_failed_send)
+
+    def _count_failed_send(self, sent: asyncio.Future[Any]) -> None:
+        if sent.cancelled() or sent.exception() is not None:
+            self._send_failed(None if sent.cancelled() else sent.exception())
 
     def _send(self, sync: zmq.Socket, reply: list[bytes]) -> None:
         # Counted before sending: a peer reading the counters after its reply sees it included.
@@ -596,9 +618,12 @@ class RouteService:
         try:
             sync.send_multipart(reply, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer's queue is full or it vanished: its problem
-            self.counters["replies"] -= 1
-            self.counters["send_errors"] += 1
-            log.debug("route service: send failed error=%s", exc)
+            self._send_failed(exc)
+
+    def _send_failed(self, exc: BaseException | None) -> None:
+        self.counters["replies"] -= 1
+        self.counters["send_errors"] += 1
+        log.debug("route service: send failed error=%s", exc)
 
     def _check_framing(self, frames: list[bytes]) -> tuple[list[bytes], bytes | None, list[bytes] | None]:
         """``(prefix, payload, reply)``: a reply when framing or size refuse the message outright."""

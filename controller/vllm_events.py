@@ -33,6 +33,11 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints cannot exceed 2^64-1
 # Vocabulary ids; the index keeps them as u32. An event carrying anything else is dropped alone.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 END_SEQ = (1 << 64) - 1
+#: The subscriber yields to the other tasks after this many batches, payload bytes or seconds,
+#: whichever comes first (a count alone let 64 MB-sized batches hold the loop for 100 ms).
+YIELD_AFTER_BATCHES = 64
+YIELD_AFTER_BYTES = 1 << 20
+YIELD_AFTER_S = 0.002
 MEDIUM_GPU = "GPU"
 
 
@@ -490,16 +495,17 @@ class VllmEventSubscriber:
     async def run(self) -> None:
         """Receive and apply batches until ``close()``."""
         self._task = asyncio.current_task()
-        n = 0
+        n, nbytes, until = 0, 0, time.perf_counter() + YIELD_AFTER_S
         try:
             if self._resume:
                 await self._catch_up()
             while not self._closing:
                 n += 1
-                if n % 64 == 0:
+                if n >= YIELD_AFTER_BATCHES or nbytes >= YIELD_AFTER_BYTES or time.perf_counter() >= until:
                     # A queued batch is returned without a trip through the event loop: a
                     # backlog would otherwise hold the loop until it is drained.
                     await asyncio.sleep(0)
+                    n, nbytes, until = 0, 0, time.perf_counter() + YIELD_AFTER_S
                 try:
                     frames = await self._sub.recv_multipart()
                 except zmq.ZMQError:
@@ -508,6 +514,7 @@ class VllmEventSubscriber:
                     log.exception("vLLM events %s: receive failed", self.instance_id)
                     await asyncio.sleep(0.1)
                     continue
+                nbytes += len(frames[-1]) if frames else 0
                 try:
                     parsed = self._parse(frames)
                     if parsed is not None:

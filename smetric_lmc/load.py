@@ -31,7 +31,7 @@ class _InFlight(msgspec.Struct, gc=False):
     unprefilled: int
     since: float
     prefilled: bool = False
-    request_id: str = ""  # for the age queue, which then holds entries alone (see ``_by_age``)
+    cohort: int = -1  # the age cohort holding it (see ``LoadTracker._cohorts``); -1: none
 
 
 SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
@@ -39,6 +39,8 @@ SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of th
 EXPIRE_PER_ROUTE = 8
 #: Releases between two checks for request maps that shrank (see :meth:`LoadTracker._compact`).
 COMPACT_EVERY = 1024
+#: Age cohorts across ``expire_s``: an entry expires at most ``expire_s / COHORTS`` late.
+COHORTS = 32
 
 
 class LoadTracker:
@@ -48,12 +50,19 @@ class LoadTracker:
     def __init__(self, clock: Callable[[], float] = time.monotonic, expire_s: float | None = None) -> None:
         self._clock = clock
         self._expire_s = expire_s
-        # Routing order = age order. Entries alone, never (id, entry) tuples: one tuple per route
-        # that lives ``expire_s`` and is freed by expiry as new ones are made keeps CPython's
-        # generation-0 count (allocations minus deallocations) from ever reaching its threshold,
-        # so the young generation grew to 100 k+ tuples and one gen-0 collection then stalled the
-        # loop for ~100 ms (bench/soak.py). Untracked objects (this struct, str) do not count.
-        self._by_age: deque[_InFlight] = deque()
+        # Expiry by age cohorts: the requests routed in one ``expire_s / COHORTS`` span share a
+        # map, oldest cohort first, and a request leaves its cohort when it is released. A done
+        # request then costs nothing until expiry. (An age queue of every route kept each done
+        # request's entry and id for ``expire_s``: 20 MB at 5 k routes/s, churned through
+        # pymalloc arenas that a few long-lived objects then kept resident, bench/arena_census.py.)
+        # Maps of untracked objects (str keys, gc=False entries) are not tracked by the cyclic GC
+        # either: one GC-tracked record per route, freed by expiry as new ones come, keeps the
+        # generation-0 count from reaching its threshold, and one collection of the 100 k+ young
+        # records it let pile up stalled the loop ~100 ms (bench/soak.py).
+        self._cohorts: deque[dict[str, _InFlight]] = deque()
+        self._cohort_opened: deque[float] = deque()
+        self._first_cohort = 0  # the number of ``_cohorts[0]``
+        self._cohort_s = expire_s / COHORTS if expire_s is not None else 0.0
         self._requests: dict[str, _InFlight] = {}
         # Per instance, in routing (= age) order: every entry, and those not yet prefilled. Healing
         # and prefill inference then touch the oldest few entries of one instance, not all of them
@@ -113,12 +122,18 @@ class LoadTracker:
             self._release(request_id)
         self.add_instance(instance_id)
         todo = max(0, prompt_tokens - hit_tokens)
-        entry = self._requests[request_id] = _InFlight(instance_id, todo, self._clock(), False, request_id)
+        now = self._clock()
+        entry = self._requests[request_id] = _InFlight(instance_id, todo, now)
         self._of.setdefault(instance_id, {})[request_id] = entry
         self._queued.setdefault(instance_id, {})[request_id] = entry
         if self._expire_s is not None:
             self.expire(EXPIRE_PER_ROUTE)
-            self._by_age.append(entry)
+            opened = self._cohort_opened
+            if not opened or now - opened[-1] >= self._cohort_s:
+                self._cohorts.append({})
+                opened.append(now)
+            self._cohorts[-1][request_id] = entry
+            entry.cohort = self._first_cohort + len(self._cohorts) - 1
         self._count[instance_id] += 1
         self._set_total(instance_id, self._total[instance_id] + 1)
         self._unprefilled[instance_id] += todo
@@ -171,6 +186,9 @@ class LoadTracker:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return False
+        k = entry.cohort - self._first_cohort
+        if k >= 0:
+            self._cohorts[k].pop(request_id, None)
         if not self._live(request_id, entry):  # its instance was removed: the entry was dead
             self._dead -= 1
             return False
@@ -200,27 +218,35 @@ class LoadTracker:
                     maps[iid] = c  # same key: no resize of ``maps`` during the iteration
 
     def expire(self, budget: int = SLICE) -> int:
-        """Release entries older than ``expire_s``, looking at up to ``budget`` queued entries (a
-        slice of the loop: after an idle spell a whole burst's entries are due at once); O(1)
-        amortized (each route is queued once). Returns how many were released."""
+        """Release the entries of cohorts wholly older than ``expire_s``, up to ``budget`` entries
+        (a slice of the loop: after an idle spell a whole burst's entries are due at once); O(1)
+        amortized (each route joins one cohort once). Returns how many were released."""
         if self._expire_s is None:
             return 0
-        cutoff = self._clock() - self._expire_s
-        q, n = self._by_age, 0
-        while q and budget > 0 and q[0].since < cutoff:
+        cutoff = self._clock() - self._expire_s - self._cohort_s
+        cohorts, n = self._cohorts, 0
+        while cohorts and budget > 0 and self._cohort_opened[0] < cutoff:
+            members = cohorts[0]
+            while members and budget > 0:
+                budget -= 1
+                rid, entry = members.popitem()
+                if self._requests.get(rid) is entry:  # not of a removed instance (drained)
+                    self._release(rid)
+                    n += 1
+            if members:
+                break
+            cohorts.popleft()
+            self._cohort_opened.popleft()
+            self._first_cohort += 1
             budget -= 1
-            entry = q.popleft()
-            if self._requests.get(entry.request_id) is entry:  # not done, not re-routed since
-                self._release(entry.request_id)
-                n += 1
         self.stats["expired"] += n
         self._maybe_compact()
         return n
 
     def expire_due(self) -> bool:
-        """Whether the oldest queued entry is past ``expire_s`` (:meth:`expire` has work)."""
-        return self._expire_s is not None and bool(self._by_age) and (
-            self._by_age[0].since < self._clock() - self._expire_s)
+        """Whether the oldest cohort is past ``expire_s`` (:meth:`expire` has work)."""
+        return self._expire_s is not None and bool(self._cohort_opened) and (
+            self._cohort_opened[0] < self._clock() - self._expire_s - self._cohort_s)
 
     def reconcile(
         self, instance_id: str, engine_requests: int, grace_s: float = 30.0, *,

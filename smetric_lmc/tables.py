@@ -19,15 +19,25 @@ D = TypeVar("D", bound=dict)
 #: the size its entries need", so a dict that is merely between two growth steps is left alone.
 BYTES_PER_ENTRY = 128
 SLACK = 4096  # small tables are not worth a copy
+#: A copy is made once the map holds at most this many entries (or its table is over
+#: :data:`HUGE_BYTES_PER_ENTRY` bytes per entry). Copying touches every key and value, scattered
+#: over the heap of a busy process: 58 k in-flight requests took 55 ms (bench/soak.py
+#: --slow-callbacks, the in-flight map 30 s after a burst of lost requests) against 7 ms in a
+#: fresh process, so a map shrinking from a peak keeps its peak's table until a copy is short.
+MAX_COPY = 8192
+HUGE_BYTES_PER_ENTRY = 2048
 
 
 def oversized(d: dict) -> bool:
-    """Whether ``d``'s table is several times larger than its entries need (O(1))."""
-    return sys.getsizeof(d) > BYTES_PER_ENTRY * len(d) + SLACK
+    """Whether ``d``'s table is several times larger than its entries need and ``d`` is small
+    enough, for its table, to copy now (O(1))."""
+    size, n = sys.getsizeof(d), len(d)
+    return size > BYTES_PER_ENTRY * n + SLACK and (n <= MAX_COPY or size > HUGE_BYTES_PER_ENTRY * n)
 
 
 def compacted(d: D) -> D:
     """``d`` itself, or a right-sized copy (same items, same order) when :func:`oversized`: the
     caller replaces its reference. O(len(d)) when it copies, which is at most a third of the
-    deletions since the table was last right-sized, so amortized O(1) per deletion."""
+    deletions since the table was last right-sized, so amortized O(1) per deletion; one copy is
+    at most :data:`MAX_COPY` entries or 1/2048 of the table's bytes."""
     return d.copy() if oversized(d) else d  # type: ignore[return-value]

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import random
 import threading
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -289,6 +290,53 @@ def test_a_burst_of_pipelined_requests_is_answered_in_full(svc: ServiceThread, d
         seen.add(corr)
     assert len(seen) == n
     assert svc.service is not None and svc.service.counters["replies"] == n
+
+
+class _InstantPrep:
+    """Stands in for the frame worker process: the frame is "prepared" at once, so the test
+    controls what happens between the worker's answer and the reply's send."""
+
+    def start(self) -> bool:
+        return True
+
+    def submit(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[object, ...]]:
+        fut: asyncio.Future[tuple[object, ...]] = asyncio.get_running_loop().create_future()
+        fut.set_result(("request", HealthRequest()))
+        return fut
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_request_that_arrives_while_a_large_frame_is_answered_is_not_lost(svc: ServiceThread) -> None:
+    # ZMQ signals its socket's file descriptor once per batch of arrivals, and any operation on the
+    # socket may consume that signal. A large frame's reply is sent from its own task while the
+    # service waits for the descriptor: a request whose arrival the send consumed was never read,
+    # and every later one queued behind it (the route service hung for good: bench/soak.py).
+    assert svc.service is not None
+    svc.service._prep = _InstantPrep()  # type: ignore[assignment]
+    answer = svc.core.answer
+    assert svc.service._sock is not None
+    route_sock = zmq.Socket.shadow(svc.service._sock.underlying)
+    with connect_dealer(svc.endpoint) as big, connect_dealer(svc.endpoint) as small:
+        for sock in (big, small):  # connected, and past the command a pipe's first message brings back
+            assert isinstance(decode_reply(ask(sock, encode(HealthRequest()))), HealthReply)
+        time.sleep(0.1)
+
+        def answer_after_an_arrival(req: object, as_json: bool, **kw: object) -> bytes:
+            small.send_multipart([b"", encode(HealthRequest())])
+            time.sleep(0.2)  # ZMQ's I/O thread queues it and signals the route socket
+            # What libzmq's send does when it gets to its command queue first (whether it does is
+            # a matter of timing): take in the arrival, which clears the descriptor's signal.
+            assert route_sock.get(zmq.EVENTS) & zmq.POLLIN
+            return answer(req, as_json, **kw)  # type: ignore[arg-type]
+
+        svc.core.answer = answer_after_an_arrival  # type: ignore[method-assign]
+        big.send_multipart([b"", b"\x00" * (RouteService.OFFLOAD_BYTES + 1)])
+        assert isinstance(decode_reply(big.recv_multipart()[-1]), HealthReply)
+        svc.core.answer = answer  # type: ignore[method-assign]
+        assert isinstance(decode_reply(small.recv_multipart()[-1]), HealthReply)  # RCVTIMEO 3 s
+        assert isinstance(decode_reply(ask(small, encode(HealthRequest()))), HealthReply)
 
 
 def test_split_envelope() -> None:

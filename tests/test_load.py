@@ -182,6 +182,50 @@ def test_entries_expire_by_age_and_a_rerouted_id_only_once():
     assert lt.expire() == 2 and len(lt) == 0 and lt.loads(["a", "b"]) == [0, 0]
 
 
+def test_a_done_request_keeps_nothing_until_expiry():
+    # An age queue of every route kept each done request's entry for ``expire_s`` (~120 B each:
+    # 20 MB at 5 k routes/s), churning pymalloc arenas that long-lived objects then pinned.
+    import tracemalloc
+
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=30.0)
+    lt.on_route("warm", "a", 256)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k in range(20_000):
+        clock.t = k / 1000  # 20 s: within expire_s, nothing expires
+        lt.on_route(f"r{k}", "a", 256)
+        lt.on_done(f"r{k}")
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert lt.stats["done"] == 20_000 and len(lt) == 1 and lt.stats["expired"] == 0
+    assert kept / 20_000 < 4, f"{kept / 20_000:.1f} B kept per done request"
+
+
+def test_a_lost_request_expires_within_one_cohort_of_expire_s():
+    clock = Clock()
+    lt = LoadTracker(clock, expire_s=32.0)  # cohorts of 1 s
+    for k in range(100):
+        clock.t = k / 10
+        lt.on_route(f"r{k}", "a", 10)
+    clock.t = 32.0
+    assert not lt.expire_due() and lt.expire() == 0  # none older than expire_s yet
+    clock.t = 41.9 + 1.0  # every entry is older than expire_s + one cohort
+    while lt.expire_due():
+        lt.expire()
+    assert len(lt) == 0 and lt.stats["expired"] == 100
+    # Between: entries leave with their cohort, never earlier than expire_s after their route.
+    lt2 = LoadTracker(clock, expire_s=32.0)
+    for k in range(100):
+        clock.t = k / 10
+        lt2.on_route(f"r{k}", "a", 10)
+    clock.t = 37.05
+    lt2.expire()
+    gone = 100 - len(lt2)
+    assert gone > 0 and all(lt2.instance_of(f"r{k}") is None for k in range(gone))
+    assert all(k / 10 < 37.05 - 32.0 for k in range(gone))
+
+
 def test_expiry_runs_in_slices_and_says_when_entries_are_due():
     clock = Clock()
     lt = LoadTracker(clock, expire_s=10.0)

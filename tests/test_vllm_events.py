@@ -526,6 +526,36 @@ async def test_garbage_replies_from_the_replay_endpoint(
     assert sink.live["e0"] == expected_live(recorded["frames_decoded"], seqs=[0])
 
 
+async def test_ingest_yields_after_its_byte_budget(ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the byte budget can make the subscriber yield here; with a batch count alone, 40
+    # queued ~100 KB frames were all handled in one turn of the loop (MB-sized hostile batches
+    # held it ~100 ms in bench/soak.py's storm).
+    from smetric_lmc.controller import vllm_events as V
+
+    monkeypatch.setattr(V, "YIELD_AFTER_BATCHES", 10**9)
+    monkeypatch.setattr(V, "YIELD_AFTER_S", 3600.0)
+    monkeypatch.setattr(V, "YIELD_AFTER_BYTES", 300_000)
+    sink = Recorder()
+    engine, sub = engine_with_subscriber(ctx, sink)
+    seen: set[int] = set()
+
+    async def probe() -> None:
+        while True:
+            seen.add(sub.stats.decode_errors)
+            await asyncio.sleep(0)
+
+    async with running(sub):
+        await engine.subscribed()
+        for seq in range(40):
+            await engine.send_raw([b"kv", seq.to_bytes(8, "big"), b"\xc1" * 100_000])  # undecodable
+        time.sleep(0.5)  # queued before the subscriber next runs (blocks the loop on purpose)
+        p = asyncio.create_task(probe())
+        await until(lambda: sub.stats.decode_errors == 40)
+        p.cancel()
+    await engine.close()
+    assert any(0 < n < 40 for n in seen), seen
+
+
 async def test_close_before_any_message_is_clean(ctx: zmq.asyncio.Context) -> None:
     sub = VllmEventSubscriber("tcp://127.0.0.1:*", "e0", Recorder(), bind=True, ctx=ctx)
     assert sub.endpoint.startswith("tcp://127.0.0.1:")

@@ -140,6 +140,27 @@ def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
     assert tr.overlapping(a, b) and not tr.overlapping(b + 1, b + 2)
 
 
+@pytest.mark.skipif(memory._libc() is None, reason="glibc: the trimmer records nothing without it")
+def test_trimmer_keeps_its_spans_without_an_object_per_call() -> None:
+    """A (start, end) tuple per call, kept for an hour, landed in pools a request burst had just
+    freed and kept their pymalloc arenas resident (bench/arena_census.py): spans live in an array."""
+    import tracemalloc
+
+    tr = memory.Trimmer(min_free=1 << 40, keep=64)
+    for _ in range(64):  # fill the ring once
+        tr.trim_now()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(2_000):
+        tr.trim_now()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 2_000, f"{grown} B kept by 2,000 calls"
+    spans = tr.spans
+    assert len(spans) == 64 and all(a <= b for a, b in spans)
+    assert all(spans[i][1] <= spans[i + 1][0] for i in range(63))  # oldest first
+
+
 def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
     """Prompts sharing an anchor block are filed in a dict, a lone one as a bare int (no 1-entry
     dict per routed prompt); credits are the same either way, through both transitions."""
