@@ -84,7 +84,8 @@ def exec_with_allocator(allocator: str) -> None:
     ``bench/inflight_bytes.py --n 160000`` measures 31 MB kept after 160 k expired requests with 32 survivors,
     1 MB under ``PYTHONMALLOC=malloc``, where a survivor pins a 4 KiB page and :class:`Trimmer`
     returns the rest (bench/soak.py: RSS growth 30 MB under malloc, 53 MB under pymalloc, most of
-    it arenas the hostile storm's decoded lists left). What it costs: every small object comes
+    it arenas that per-route records churned and a few long-lived objects pinned; 16-26 MB under
+    pymalloc once a done route kept nothing until expiry and the trimmer kept no object per call). What it costs: every small object comes
     from glibc, ~20% of the KV-event ingest rate and 25-40% of the route rate
     (``PYTHONMALLOC=malloc|pymalloc python bench/controller.py --quick``, alternated), and a trim
     walks a larger heap while the loop waits on its lock. Hence pymalloc by default, ``malloc``
