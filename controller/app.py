@@ -351,6 +351,7 @@ class ControllerApp:
                     max_message_bytes=lim.kv_max_frame_bytes,
                     max_events_per_batch=lim.kv_max_events_per_batch,
                     max_blocks_per_event=lim.kv_max_blocks_per_event,
+                    worker=self.service.worker,
                     ctx=self.ctx,
                 )
             except zmq.ZMQError as exc:
@@ -747,7 +748,9 @@ class ControllerApp:
                 SubscriberState(
                     instance=iid, events=dict(s.events), batches=s.batches, gaps=s.gaps, replays=s.replays,
                     replay_failures=s.replay_failures, unfilled_gaps=s.unfilled_gaps, restarts=s.restarts,
-                    decode_errors=s.decode_errors, bad_frames=s.bad_frames, lag_s=s.lag_s,
+                    decode_errors=s.decode_errors, bad_frames=s.bad_frames, oversize_batches=s.oversize_batches,
+                    offloaded=s.offloaded, large_on_loop=s.large_on_loop, worker_failures=s.worker_failures,
+                    lag_s=s.lag_s,
                 )
             )
         components: dict[str, dict[str, Any]] = {"route_socket": dict(self.service.counters), "service": dict(self.core.counters)}

@@ -164,6 +164,10 @@ class SubscriberState:
     restarts: int = 0
     decode_errors: int = 0
     bad_frames: int = 0
+    oversize_batches: int = 0
+    offloaded: int = 0
+    large_on_loop: int = 0
+    worker_failures: int = 0
     lag_s: float | None = None
 
 
@@ -253,6 +257,10 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
     lost = CounterMetricFamily("smetric_kv_event_unfilled_gaps", "Gaps replay could not fill (instance cleared)", labels=["backend"])
     restarts = CounterMetricFamily("smetric_kv_event_restarts", "Engine restarts detected", labels=["backend"])
     bad = CounterMetricFamily("smetric_kv_event_bad_messages", "Undecodable or misframed messages", labels=["backend", "kind"])
+    large = CounterMetricFamily(
+        "smetric_kv_event_large_batches",
+        "Batches over the offload size: decoded in the frame worker, on the event loop (no worker), or lost "
+        "when the worker failed (the gap is replayed)", labels=["backend", "handled"])
     lag = GaugeMetricFamily("smetric_kv_event_lag_seconds", "Receive time minus event batch timestamp", labels=["backend"])
     for s in subs:
         # The subscriber tallies event types, block counts and skip reasons in one dict (non-zero
@@ -274,9 +282,12 @@ def _subscriber_families(subs: list[SubscriberState]) -> Iterable[Metric]:
         restarts.add_metric([s.instance], float(s.restarts))
         bad.add_metric([s.instance, "decode"], float(s.decode_errors))
         bad.add_metric([s.instance, "framing"], float(s.bad_frames))
+        bad.add_metric([s.instance, "oversize"], float(s.oversize_batches))
+        for handled, n in (("worker", s.offloaded), ("loop", s.large_on_loop), ("worker_failed", s.worker_failures)):
+            large.add_metric([s.instance, handled], float(n))
         if s.lag_s is not None:
             lag.add_metric([s.instance], s.lag_s)
-    return [events, blocks, skipped, batches, gaps, replays, lost, restarts, bad, lag]
+    return [events, blocks, skipped, batches, gaps, replays, lost, restarts, bad, large, lag]
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------

@@ -18,9 +18,7 @@ The worker returns one of:
 from __future__ import annotations
 
 import asyncio
-import logging
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -28,10 +26,7 @@ from smetric_lmc.config import LimitsConfig
 from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import HashChain, RouteRequest, WireError, decode_request
 
-if TYPE_CHECKING:  # multiprocessing is imported when the worker starts, not on a restart's path
-    from concurrent.futures import ProcessPoolExecutor
-
-log = logging.getLogger(__name__)
+from .offload import OffloadWorker
 
 #: Request ids longer than this are refused: each routed id is kept in memory until its done.
 MAX_REQUEST_ID_CHARS = 512
@@ -164,74 +159,14 @@ def prepare_frame(payload: bytes, hs: HashSettings, lim: LimitsConfig, fast_root
     return ("route", slim, fast, chunks, n)
 
 
-def _ready() -> bool:
-    return True
-
-
-def _die_with_parent() -> None:
-    """Worker initializer: a controller killed with SIGKILL cannot stop its worker, so the kernel
-    does (Linux ``PR_SET_PDEATHSIG``); elsewhere the worker exits when its pipes close."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class FramePrep:
-    """One worker process (spawned, so no ZMQ context is inherited) that prepares large frames.
-
-    ``submit`` returns a future; a worker that died is replaced on the next submit and the frame
-    it held is answered ``internal`` by the caller (``BrokenProcessPool``)."""
+class FramePrep(OffloadWorker):
+    """The frame worker (:class:`OffloadWorker`) with the route service's settings: ``prepare``
+    runs :func:`prepare_frame` there. The KV-event subscribers share the same process."""
 
     def __init__(self, hs: HashSettings, limits: LimitsConfig) -> None:
+        super().__init__("frame worker")
         self.hs = hs
         self.limits = limits
-        self._pool: ProcessPoolExecutor | None = None
-        self.restarts = 0
-        self.unavailable: str | None = None  # why no worker can run here (large frames stay on the loop)
 
-    def start(self) -> bool:
-        """Spawn the worker now (it takes ~0.5 s), so the first large frame does not wait for it.
-
-        False when this process may not have children (a daemonic multiprocessing process): the
-        caller then answers large frames on the loop, and says so once in the log."""
-        if self._pool is None and self.unavailable is None:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
-
-            try:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
-                                                 initializer=_die_with_parent)
-                self._pool.submit(_ready)
-            except (AssertionError, OSError) as exc:  # multiprocessing asserts a daemon has no children
-                self._pool = None
-                self.unavailable = f"{type(exc).__name__}: {exc}"
-                log.error("route service: no frame worker (%s); large frames are prepared on the event loop",
-                          self.unavailable)
-        return self._pool is not None
-
-    def submit(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[Any, ...]]:
-        if not self.start():
-            raise RuntimeError(f"no frame worker: {self.unavailable}")
-        assert self._pool is not None
-        from concurrent.futures.process import BrokenProcessPool
-
-        try:
-            fut: Future[tuple[Any, ...]] = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
-        except BrokenProcessPool:
-            log.error("route service: frame worker died; starting a new one")
-            self.restarts += 1
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-            self.start()
-            assert self._pool is not None
-            fut = self._pool.submit(prepare_frame, payload, self.hs, self.limits, fast_root)
-        return asyncio.wrap_future(fut)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    def prepare(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[Any, ...]]:
+        return self.submit(prepare_frame, payload, self.hs, self.limits, fast_root)

@@ -475,6 +475,11 @@ class RouteService:
         return self.endpoint
 
     @property
+    def worker(self) -> FramePrep:
+        """The frame worker process, shared with the KV-event subscribers."""
+        return self._prep
+
+    @property
     def curve_counts(self) -> dict[str, int]:
         return self._zap.counts if self._zap is not None else {}
 
@@ -571,11 +576,11 @@ class RouteService:
         core = self.core
         t0 = time.perf_counter()
         try:
-            out = await self._prep.submit(payload, core.hashing.fast_root)
+            out = await self._prep.prepare(payload, core.hashing.fast_root)
             if out[0] == "route" and out[1].token_ids is not None:
                 root = core.fast_root_for(out[1].model)
                 if root != core.hashing.fast_root:  # a LoRA adapter's chain: hash again under its root
-                    out = await self._prep.submit(payload, root)
+                    out = await self._prep.prepare(payload, root)
         except Exception as exc:  # the worker died (BrokenProcessPool) or could not take the frame
             log.error("route service: frame worker failed error=%s", exc)
             core.counters["internal_errors"] += 1

@@ -19,13 +19,17 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Protocol
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from smetric_lmc.controller.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from smetric_lmc.controller.offload import OffloadWorker
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,11 @@ END_SEQ = (1 << 64) - 1
 YIELD_AFTER_BATCHES = 64
 YIELD_AFTER_BYTES = 1 << 20
 YIELD_AFTER_S = 0.002
+#: Payloads larger than this are decoded and planned in the frame worker (``worker``): ~50 ms of
+#: CPU per 4.5 MB here, which on the loop would stall every client.
+OFFLOAD_BYTES = 256 << 10
+#: Stores and removals larger than this are applied in slices, with loop turns between them.
+SLICE_BLOCKS = 4096
 MEDIUM_GPU = "GPU"
 
 
@@ -255,6 +264,113 @@ def _untracked(ev: BlockStored | BlockRemoved, group_idx: int | None) -> str | N
     return None
 
 
+#: A plan is the batch's sink calls, in order: ``(STORED, hashes, parent, token_ids, block_size,
+#: keys)`` (``keys``: the adapter / extra-key keyword arguments), ``(REMOVED, hashes)`` (a run of
+#: consecutive removals, merged) or ``(CLEARED,)``. Planning is pure, so large payloads are
+#: planned in the frame worker; applying is the only part that touches the index.
+STORED, REMOVED, CLEARED = 0, 1, 2
+Op = tuple[Any, ...]
+
+
+def plan_batch(
+    batch: EventBatch, *, group_idx: int | None = 0, max_blocks_per_event: int | None = None
+) -> tuple[list[Op], dict[str, int]]:
+    """The sink calls that apply ``batch`` (see :func:`apply_batch`) and its per-kind tallies."""
+    n_stored = n_removed = n_cleared = blocks_stored = blocks_removed = 0
+    unknown = malformed = 0
+    untracked = {"non_gpu": 0, "other_group": 0}
+    ops: list[Op] = []
+    # vLLM sends one BlockRemoved per evicted block; consecutive removals commute, so they
+    # are merged into one sink call (flushed before anything that must stay ordered).
+    pending: list[int] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockRemoved):  # half of a busy stream: the tracked case inlined
+            n_removed += 1
+            if (ev.medium is None or ev.medium == MEDIUM_GPU) and (
+                group_idx is None or ev.group_idx is None or ev.group_idx == group_idx
+            ):
+                pending.extend(ev.block_hashes)
+            else:
+                untracked[_untracked(ev, group_idx)] += 1  # type: ignore[index]
+            continue
+        if pending:
+            blocks_removed += len(pending)
+            ops.append((REMOVED, pending))
+            pending = []
+        if isinstance(ev, BlockStored):
+            n_stored += 1
+            skip = _untracked(ev, group_idx)
+            if skip is not None:
+                untracked[skip] += 1
+            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size or (
+                max_blocks_per_event is not None and len(ev.block_hashes) > max_blocks_per_event
+            ):
+                # vLLM reports full blocks only; anything else would corrupt a re-hash.
+                malformed += 1
+            elif ev.block_hashes:
+                blocks_stored += len(ev.block_hashes)
+                # Adapter and extra keys set the block's identity (the index folds them into its chain).
+                keyed = ev.lora_name is not None or ev.lora_id is not None or any(ev.extra_keys or ())
+                keys = {"lora_name": ev.lora_name, "extra_keys": ev.extra_keys, "lora_id": ev.lora_id} if keyed else {}
+                ops.append((STORED, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, keys))
+        elif isinstance(ev, AllBlocksCleared):
+            n_cleared += 1
+            ops.append((CLEARED,))
+        elif isinstance(ev, DroppedEvent):
+            if ev.reason == "unknown":
+                unknown += 1
+            else:
+                malformed += 1
+    if pending:
+        blocks_removed += len(pending)
+        ops.append((REMOVED, pending))
+    counts = {"BlockStored": n_stored, "BlockRemoved": n_removed, "blocks_stored": blocks_stored,
+              "blocks_removed": blocks_removed}
+    if n_cleared or unknown or malformed or untracked["non_gpu"] or untracked["other_group"]:
+        counts.update(AllBlocksCleared=n_cleared, unknown=unknown, malformed=malformed, **untracked)
+    return ops, counts
+
+
+def run_op(op: Op, sink: GpuBlockSink, instance_id: str) -> None:
+    kind = op[0]
+    if kind == REMOVED:
+        sink.gpu_removed(instance_id, op[1])
+    elif kind == STORED:
+        if op[5]:
+            sink.gpu_stored(instance_id, op[1], op[2], op[3], op[4], **op[5])
+        else:
+            sink.gpu_stored(instance_id, op[1], op[2], op[3], op[4])
+    else:
+        sink.gpu_cleared(instance_id)
+
+
+def _as_list(values: Any) -> list[Any]:
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+def cut_op(op: Op, max_blocks: int) -> Sequence[Op]:
+    """``op`` as ops of at most ``max_blocks`` blocks each, with plain-int lists (a worker's plan
+    carries numpy arrays). A store is cut into a chain: each piece's parent is the last block of
+    the piece before it, as if vLLM had reported the blocks in several events."""
+    kind = op[0]
+    if kind == CLEARED:
+        return (op,)
+    hashes = op[1]
+    if len(hashes) <= max_blocks and not isinstance(hashes, np.ndarray):
+        return (op,)
+    if kind == REMOVED:
+        return [(REMOVED, _as_list(hashes[k : k + max_blocks])) for k in range(0, len(hashes), max_blocks)]
+    _, hashes, parent, tokens, bs, keys = op
+    extra = keys.get("extra_keys")
+    out: list[Op] = []
+    for k in range(0, len(hashes), max_blocks):
+        piece = _as_list(hashes[k : k + max_blocks])
+        part = dict(keys, extra_keys=extra[k : k + max_blocks]) if extra is not None else keys
+        out.append((STORED, piece, parent, _as_list(tokens[k * bs : (k + max_blocks) * bs]), bs, part))
+        parent = piece[-1]
+    return out
+
+
 def apply_batch(
     batch: EventBatch,
     sink: GpuBlockSink,
@@ -276,69 +392,53 @@ def apply_batch(
     ``blocks_stored``, ``blocks_removed``, ``unknown``, ``malformed``, ``non_gpu``,
     ``other_group``.
     """
-    n_stored = n_removed = n_cleared = blocks_stored = blocks_removed = 0
-    unknown = malformed = 0
-    untracked = {"non_gpu": 0, "other_group": 0}
-    # vLLM sends one BlockRemoved per evicted block; consecutive removals commute, so they
-    # are merged into one sink call (flushed before anything that must stay ordered).
-    pending: list[int] = []
-    for ev in batch.events:
-        if isinstance(ev, BlockRemoved):  # half of a busy stream: the tracked case inlined
-            n_removed += 1
-            if (ev.medium is None or ev.medium == MEDIUM_GPU) and (
-                group_idx is None or ev.group_idx is None or ev.group_idx == group_idx
-            ):
-                pending.extend(ev.block_hashes)
-            else:
-                untracked[_untracked(ev, group_idx)] += 1  # type: ignore[index]
-            continue
-        if pending:
-            blocks_removed += len(pending)
-            sink.gpu_removed(instance_id, pending)
-            pending = []
-        if isinstance(ev, BlockStored):
-            n_stored += 1
-            skip = _untracked(ev, group_idx)
-            if skip is not None:
-                untracked[skip] += 1
-            elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size or (
-                max_blocks_per_event is not None and len(ev.block_hashes) > max_blocks_per_event
-            ):
-                # vLLM reports full blocks only; anything else would corrupt a re-hash.
-                malformed += 1
-            elif ev.block_hashes:
-                blocks_stored += len(ev.block_hashes)
-                # Adapter and extra keys set the block's identity (the index folds them into its chain).
-                keyed = ev.lora_name is not None or ev.lora_id is not None or any(ev.extra_keys or ())
-                extra = {"lora_name": ev.lora_name, "extra_keys": ev.extra_keys, "lora_id": ev.lora_id} if keyed else {}
-                sink.gpu_stored(
-                    instance_id, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, **extra
-                )
-        elif isinstance(ev, AllBlocksCleared):
-            n_cleared += 1
-            sink.gpu_cleared(instance_id)
-        elif isinstance(ev, DroppedEvent):
-            if ev.reason == "unknown":
-                unknown += 1
-            else:
-                malformed += 1
-    if pending:
-        blocks_removed += len(pending)
-        sink.gpu_removed(instance_id, pending)
+    ops, tally = plan_batch(batch, group_idx=group_idx, max_blocks_per_event=max_blocks_per_event)
+    for op in ops:
+        run_op(op, sink, instance_id)
     if counts is not None:
-        for key, value in (
-            ("BlockStored", n_stored),
-            ("BlockRemoved", n_removed),
-            ("AllBlocksCleared", n_cleared),
-            ("blocks_stored", blocks_stored),
-            ("blocks_removed", blocks_removed),
-            ("unknown", unknown),
-            ("malformed", malformed),
-            *untracked.items(),
-        ):
-            if value:
-                counts[key] = counts.get(key, 0) + value
-    return blocks_stored + blocks_removed
+        add_counts(counts, tally)
+    return tally.get("blocks_stored", 0) + tally.get("blocks_removed", 0)
+
+
+def add_counts(counts: dict[str, int], tally: dict[str, int]) -> None:
+    for key, value in tally.items():
+        if value:
+            counts[key] = counts.get(key, 0) + value
+
+
+class Planned(NamedTuple):
+    """A payload made ready to apply: its timestamp, its sink calls and their tallies."""
+
+    ts: float
+    ops: list[Op]
+    counts: dict[str, int]
+
+
+def plan_payload(
+    payload: bytes, group_idx: int | None, max_events: int, max_blocks_per_event: int | None, compact: bool = False
+) -> Planned | str:
+    """Decode and plan one payload; a string says why it was refused (``"decode"``: not a batch,
+    ``"oversize"``: more than ``max_events`` events). ``compact`` (the worker's answer) turns each
+    op's hash and token lists into numpy arrays: they unpickle as one copy, not millions of ints."""
+    try:
+        batch = decode_payload(payload)
+    except PayloadError:
+        return "decode"
+    if len(batch.events) > max_events:
+        return "oversize"
+    ops, counts = plan_batch(batch, group_idx=group_idx, max_blocks_per_event=max_blocks_per_event)
+    if compact:
+        ops = [_compact(op) for op in ops]
+    return Planned(batch.ts, ops, counts)
+
+
+def _compact(op: Op) -> Op:
+    if op[0] == REMOVED:
+        return (REMOVED, np.array(op[1], dtype=np.uint64))
+    if op[0] == STORED:
+        _, hashes, parent, tokens, bs, keys = op
+        return (STORED, np.array(hashes, dtype=np.uint64), parent, np.array(tokens, dtype=np.uint32), bs, keys)
+    return op
 
 
 # ---------------------------------------------------------------------------
@@ -371,6 +471,9 @@ class SubscriberStats:
     internal_errors: int = 0
     replay_deadlines: int = 0
     bad_frames: int = 0
+    offloaded: int = 0  # batches decoded and planned in the frame worker
+    large_on_loop: int = 0  # batches over offload_bytes handled on the loop (no worker here)
+    worker_failures: int = 0
     other_topic: int = 0
     sink_errors: int = 0
     last_seq: int | None = None
@@ -413,6 +516,8 @@ class VllmEventSubscriber:
         max_message_bytes: int = 64 << 20,
         max_events_per_batch: int = 65_536,
         max_blocks_per_event: int = 65_536,
+        worker: OffloadWorker | None = None,
+        offload_bytes: int = OFFLOAD_BYTES,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.instance_id = instance_id
@@ -426,6 +531,8 @@ class VllmEventSubscriber:
         self._max_replay_batches = max_replay_batches
         self._max_events = max_events_per_batch
         self._max_blocks = max_blocks_per_event
+        self._worker = worker
+        self._offload_bytes = offload_bytes
         self._last_error_log = 0.0
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._last_ts: float | None = None
@@ -516,7 +623,7 @@ class VllmEventSubscriber:
                     continue
                 nbytes += len(frames[-1]) if frames else 0
                 try:
-                    parsed = self._parse(frames)
+                    parsed = await self._parse(frames)
                     if parsed is not None:
                         await self._on_live(*parsed)
                 except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
@@ -546,7 +653,7 @@ class VllmEventSubscriber:
 
     # -- frames ---------------------------------------------------------------
 
-    def _parse(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
+    async def _parse(self, frames: list[bytes]) -> tuple[int, Planned] | None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.bad_frames += 1
             return None
@@ -559,26 +666,46 @@ class VllmEventSubscriber:
         announced = peek_event_count(payload)
         if announced is not None and announced > self._max_events:
             # Refused from its header: decoding it first would cost the whole frame.
-            self.stats.oversize_batches += 1
-            log.warning("vLLM events %s: batch %d announces %d events (limit %d); dropped",
-                        self.instance_id, seq, announced, self._max_events)
+            self._oversize(seq, announced)
             return None
-        try:
-            batch = decode_payload(payload)
-        except PayloadError:
+        args = (payload, self._group_idx, self._max_events, self._max_blocks)
+        if len(payload) <= self._offload_bytes:
+            planned = plan_payload(*args)
+        elif self._worker is not None and self._worker.start():
+            try:
+                planned = await self._worker.submit(plan_payload, *args, True)
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                # The worker died (or could not take the frame): that batch is lost, and the next
+                # one shows the gap, which replay fills. Never retried on the loop: a frame that
+                # kills the worker must not kill the controller.
+                self.stats.worker_failures += 1
+                log.error("vLLM events %s: frame worker failed on batch %d (%s); dropped",
+                          self.instance_id, seq, exc)
+                return None
+            self.stats.offloaded += 1
+        else:
+            self.stats.large_on_loop += 1  # no worker here (its start failure is logged once)
+            planned = plan_payload(*args)
+        if planned == "decode":
             self.stats.decode_errors += 1
             return None
-        if len(batch.events) > self._max_events:
+        if planned == "oversize":
             # Applying part of it would leave the mirror wrong; skipping it is a gap.
-            self.stats.oversize_batches += 1
-            log.warning("vLLM events %s: batch %d has %d events (limit %d); dropped",
-                        self.instance_id, seq, len(batch.events), self._max_events)
+            self._oversize(seq, None)
             return None
-        return seq, batch
+        assert isinstance(planned, Planned)
+        return seq, planned
+
+    def _oversize(self, seq: int, announced: int | None) -> None:
+        self.stats.oversize_batches += 1
+        log.warning("vLLM events %s: batch %d %s more than %d events; dropped", self.instance_id, seq,
+                    "has" if announced is None else f"announces {announced},", self._max_events)
 
     # -- ordering -------------------------------------------------------------
 
-    async def _on_live(self, seq: int, batch: EventBatch) -> None:
+    async def _on_live(self, seq: int, batch: Planned) -> None:
         last = self.stats.last_seq
         if last is None:
             if seq > 0:
@@ -597,9 +724,9 @@ class VllmEventSubscriber:
         elif seq > last + 1:
             self.stats.gaps += 1
             await self._fill(last + 1)
-        self._apply_in_order(seq, batch)
+        await self._apply_in_order(seq, batch)
 
-    def _apply_in_order(self, seq: int, batch: EventBatch) -> None:
+    async def _apply_in_order(self, seq: int, batch: Planned) -> None:
         last = self.stats.last_seq
         expected = 0 if last is None else last + 1
         if seq < expected:
@@ -615,8 +742,8 @@ class VllmEventSubscriber:
             )
             self._mark_stale()
         try:
-            apply_batch(batch, self._sink, self.instance_id, self.stats.events, group_idx=self._group_idx,
-                        max_blocks_per_event=self._max_blocks)
+            await self._run(batch.ops)
+            add_counts(self.stats.events, batch.counts)
         except Exception:
             # The sink is our own index; a failure there must not kill ingest, but what it
             # holds for this instance is no longer certain.
@@ -629,6 +756,22 @@ class VllmEventSubscriber:
         self.stats.last_event_time = now
         self.stats.lag_s = now - batch.ts
         self._last_ts = batch.ts
+
+    async def _run(self, ops: list[Op]) -> None:
+        """Run a plan's sink calls in order, in slices of at most ``SLICE_BLOCKS`` blocks, giving
+        the loop a turn whenever ``YIELD_AFTER_S`` has passed (a legal 65,536-block store costs
+        ~60 ms of index work). This subscriber applies nothing else meanwhile, so the engine's
+        order holds; a route meanwhile sees the first part of the batch, as if vLLM had sent it
+        as several events. A snapshot taken meanwhile records the batch before as its position,
+        and a restart replays this one whole (stores are idempotent)."""
+        sink, iid = self._sink, self.instance_id
+        until = time.perf_counter() + YIELD_AFTER_S
+        for op in ops:
+            for piece in cut_op(op, SLICE_BLOCKS):
+                run_op(piece, sink, iid)
+                if time.perf_counter() >= until:
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + YIELD_AFTER_S
 
     def _clear(self) -> None:
         self._tell_sink(self._sink.gpu_cleared, "clear")
@@ -653,9 +796,9 @@ class VllmEventSubscriber:
             self.stats.replay_failures += 1
             return
         for seq, batch in replayed:
-            self._apply_in_order(seq, batch)
+            await self._apply_in_order(seq, batch)
 
-    async def _request_replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
+    async def _request_replay(self, start: int) -> list[tuple[int, Planned]] | None:
         assert self._replay_endpoint is not None
         # A fresh DEALER per request: late replies to an abandoned request cannot leak
         # into the next one.
@@ -663,7 +806,7 @@ class VllmEventSubscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         if "[" in self._replay_endpoint:
             dealer.setsockopt(zmq.IPV6, 1)
-        out: list[tuple[int, EventBatch]] = []
+        out: list[tuple[int, Planned]] = []
         # A total deadline: a peer trickling one batch just inside the per-batch timeout must
         # not hold this engine's ingest (live batches queue meanwhile) for long.
         deadline = time.monotonic() + self._replay_deadline_s
@@ -687,7 +830,7 @@ class VllmEventSubscriber:
                 if len(frames) != 4 or frames[0] != b"":
                     self.stats.bad_frames += 1
                     continue
-                parsed = self._parse(frames[1:])
+                parsed = await self._parse(frames[1:])
                 if parsed is not None and parsed[0] >= start:
                     out.append(parsed)
         except zmq.ZMQError:

@@ -299,7 +299,7 @@ class _InstantPrep:
     def start(self) -> bool:
         return True
 
-    def submit(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[object, ...]]:
+    def prepare(self, payload: bytes, fast_root: int) -> asyncio.Future[tuple[object, ...]]:
         fut: asyncio.Future[tuple[object, ...]] = asyncio.get_running_loop().create_future()
         fut.set_result(("request", HealthRequest()))
         return fut

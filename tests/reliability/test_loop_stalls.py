@@ -86,13 +86,13 @@ def test_worker_prepares_what_the_loop_would(want_chunks: bool) -> None:
 
     async def go() -> None:
         try:
-            out = await prep.submit(_enc({"type": "route", "request_id": "r", "token_ids": tokens}), ROOT)
+            out = await prep.prepare(_enc({"type": "route", "request_id": "r", "token_ids": tokens}), ROOT)
             assert out[0] == "route"
             want = core.route_inputs(RouteRequest(request_id="r", token_ids=tokens))
             assert (out[2], out[3], out[4]) == want
-            bad = await prep.submit(_enc({"type": "route", "request_id": "r2", "token_ids": [1, -5]}), ROOT)
+            bad = await prep.prepare(_enc({"type": "route", "request_id": "r2", "token_ids": [1, -5]}), ROOT)
             assert bad[:2] == ("error", "bad_request") and bad[3] == "r2" and bad[4] is True
-            deep = await prep.submit(b"\x91" * 100_000 + b"\xc0", ROOT)
+            deep = await prep.prepare(b"\x91" * 100_000 + b"\xc0", ROOT)
             assert deep[:2] == ("error", "bad_request") and deep[4] is False
         finally:
             prep.close()
@@ -273,7 +273,8 @@ async def test_lmcache_pull_yields_after_its_byte_budget(monkeypatch: pytest.Mon
 
 
 def _prep_owner(conn: object) -> None:
-    from smetric_lmc.controller.route_prep import FramePrep, _ready
+    from smetric_lmc.controller.offload import _ready
+    from smetric_lmc.controller.route_prep import FramePrep
 
     prep = FramePrep(HashSettings(block_size=BS), make_core().limits)
     prep.start()
