@@ -14,7 +14,10 @@ Phases, in order:
 2. load soak on the same controller: an open-loop client process (bench/soak_load.py) at the
    highest sustainable rate (``--rate``; 0 = half the closed-loop ceiling measured first, the
    headroom a shared machine needs to keep p99 low) for ``--soak-s`` with done reports, then
-   ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``).
+   ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``),
+   then ``--baseline-s`` of the same load with done against an echo server that does no routing
+   (``soak_load.echo_server``): ``soak_p99_echo_baseline_ms`` is the latency this machine, ZMQ
+   and the client alone give at that rate, the floor under ``soak_p99_ms``.
    RSS growth and the worst loop stall cover phases 1-2. ``rss_growth_mb`` is what the soak
    leaves behind: read once the requests of the without-done minute have expired (the config
    holds each for ``load.lost_done_grace_s``, 30 s, by design: that state is bounded by rate x
@@ -37,7 +40,8 @@ the period in any one timer wait (its own work, whatever the machine's load), an
 ``max_loop_stall_trim_ms`` how long ``malloc_trim`` calls (controller/memory.py) overlapping
 that stall took. The report's ``worst_stalls`` explains the five worst: loop CPU, the loop
 thread's run-queue wait (the OS running other processes: on this bench's 2 shared cores, mostly
-its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call);
+its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call, or
+its virtual CPU taken by the hypervisor: ``machine_steal_ms`` is the steal on all CPUs meanwhile);
 ``--sample-loop`` adds the system calls it was in. ``heap_mb`` shows where RSS sits (glibc in
 use / free, pymalloc arenas against the blocks in use in them; see bench/inflight_bytes.py for
 why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
@@ -185,17 +189,33 @@ def _run_delay_reader() -> Any:
     return lambda: int(os.pread(fd, 128, 0).split()[1]) / 1e9
 
 
+def _steal_reader() -> Any:
+    """A reader of the CPU time the hypervisor has taken from this machine's CPUs so far (s,
+    summed over CPUs; ``/proc/stat``'s steal column, in clock ticks of 10 ms): a thread whose
+    virtual CPU is descheduled shows neither CPU time nor run-queue wait. 0.0 where absent."""
+    import os
+
+    try:
+        fd = os.open("/proc/stat", os.O_RDONLY)
+    except OSError:
+        return lambda: 0.0
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    return lambda: int(os.pread(fd, 256, 0).split(maxsplit=9)[8]) * tick
+
+
 async def loop_lag(state: dict[str, Any], period_s: float = 0.005, top: int = 5) -> None:
     """Worst lateness of a timer on the loop (wall), and how much of it the loop's thread spent on
     CPU: on a shared machine a late timer can be the OS scheduling other processes, not loop work.
     ``state["worst"]`` keeps the ``top`` worst waits as (late, loop CPU, run-queue wait, start,
-    end, phase), times from ``perf_counter``, so :func:`explain_stalls` can say what they were:
-    the loop's own work (CPU), the OS running something else (run-queue wait: preemption), or
-    the thread asleep (the rest: a lock, the GIL held by another thread, a blocking call)."""
-    worst: list[tuple[float, float, float, float, float, str]] = state.setdefault("worst", [])
-    run_delay = _run_delay_reader()
+    end, phase, machine steal), times from ``perf_counter``, so :func:`explain_stalls` can say what
+    they were: the loop's own work (CPU), the OS running something else (run-queue wait:
+    preemption), or the thread asleep (the rest: a lock, the GIL held by another thread, a
+    blocking call, or its virtual CPU descheduled by the hypervisor: the machine's steal then)."""
+    worst: list[tuple[float, float, float, float, float, str, float]] = state.setdefault("worst", [])
+    run_delay, steal = _run_delay_reader(), _steal_reader()
     while True:
         t0, c0, q0, phase = time.perf_counter(), time.thread_time(), run_delay(), state.get("phase", "")
+        s0 = steal()
         await asyncio.sleep(period_s)
         t1 = time.perf_counter()
         late, cpu = t1 - t0 - period_s, time.thread_time() - c0
@@ -203,7 +223,7 @@ async def loop_lag(state: dict[str, Any], period_s: float = 0.005, top: int = 5)
             state["max"] = late
             state["max_cpu"] = cpu
         if len(worst) < top or late > worst[-1][0]:
-            worst.append((late, cpu, run_delay() - q0, t0, t1, phase))
+            worst.append((late, cpu, run_delay() - q0, t0, t1, phase, steal() - s0))
             worst.sort(reverse=True)
             del worst[top:]
         state["max_busy"] = max(state.get("max_busy", 0.0), cpu - period_s)
@@ -258,16 +278,17 @@ def calls_during(samples: list[tuple[float, str]], t0: float, t1: float) -> dict
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:4])
 
 
-def explain_stalls(worst: list[tuple[float, float, float, float, float, str]], trimmer: Any,
+def explain_stalls(worst: list[tuple[float, float, float, float, float, str, float]], trimmer: Any,
                    samples: list[tuple[float, str]] | None = None) -> list[dict[str, Any]]:
     """The worst timer waits: wall late, the loop thread's CPU and run-queue wait meanwhile (see
-    :func:`loop_lag`), the bench step then, and the ``malloc_trim`` calls (controller/memory.py)
-    that overlapped them, with their durations."""
+    :func:`loop_lag`), the machine's steal meanwhile (10 ms ticks, all CPUs), the bench step then,
+    and the ``malloc_trim`` calls (controller/memory.py) that overlapped them, with their durations."""
     out = []
-    for late, cpu, queued, t0, t1, phase in worst:
+    for late, cpu, queued, t0, t1, phase, stolen in worst:
         trims = trimmer.overlapping(t0, t1)
         out.append({"late_ms": round(late * 1000, 1), "loop_cpu_ms": round(cpu * 1000, 1),
-                    "run_queue_ms": round(queued * 1000, 1), "phase": phase,
+                    "run_queue_ms": round(queued * 1000, 1), "machine_steal_ms": round(stolen * 1000),
+                    "phase": phase,
                     "trims_overlapping_ms": [round((b - a) * 1000, 1) for a, b in trims]})
         if samples:
             out[-1]["syscalls_ms"] = calls_during(samples, t0, t1)
@@ -426,7 +447,26 @@ async def load_soak(app: ControllerApp, args: argparse.Namespace, lag: dict[str,
         print(f"soak {name}: {rate:.0f} routes/s for {seconds:.0f} s", file=sys.stderr)
         phases[name] = await _in_child(lag, name, soak_load.load_client, endpoint, rate, seconds, done)
         phases[name]["in_flight_after"] = len(app.load)
+    if args.baseline_s > 0:
+        print(f"soak echo_baseline: {rate:.0f} routes/s for {args.baseline_s:.0f} s", file=sys.stderr)
+        phases["echo_baseline"] = await echo_baseline(lag, rate, args.baseline_s)
     return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "phases": phases}
+
+
+async def echo_baseline(lag: dict[str, Any], rate: float, seconds: float) -> dict[str, Any]:
+    """The same load with done against ``soak_load.echo_server`` (no routing work): the latency
+    this machine, ZMQ and the client give any server at this rate (the controller idles meanwhile)."""
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=soak_load.echo_server, args=(child,))
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, proc.start)
+    try:
+        endpoint = await loop.run_in_executor(None, parent.recv)
+        return await _in_child(lag, "echo_baseline", soak_load.load_client, endpoint, rate, seconds, True)
+    finally:
+        parent.send("stop")
+        await loop.run_in_executor(None, proc.join, 10)
 
 
 def faults(args: argparse.Namespace) -> dict[str, Any]:
@@ -630,7 +670,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "errors_by_code": dict(app.core.errors_by_code),
             "lmcache": {k: app.lmcache_server.stats[k] for k in ("decode_errors", "workers_refused", "oversize_frames")},
             "kv": {k: getattr(app.subscribers["a"].stats, k) for k in ("decode_errors", "bad_frames",
-                                                                        "oversize_batches", "unfilled_gaps")},
+                                                                        "oversize_batches", "unfilled_gaps",
+                                                                        "offloaded", "large_on_loop", "worker_failures")},
             "json": {
                 "malformed_frames": sum(got.values()),
                 "controller_crashes": crashes.crashes + len(dead),
@@ -649,6 +690,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "allocator": running_allocator(),
                 "soak_routes_per_s": with_done["routes_per_s"],
                 "soak_p99_ms": with_done["p99_ms"],
+                "soak_p99_echo_baseline_ms": soak["phases"].get("echo_baseline", {}).get("p99_ms"),
             },
         }
     finally:
@@ -668,6 +710,8 @@ def main() -> None:
     p.add_argument("--no-done-s", type=float, default=60.0, help="route load without done reports")
     p.add_argument("--rate", type=float, default=0.0, help="routes/s of the soak (0: half the measured ceiling)")
     p.add_argument("--calibrate-s", type=float, default=5.0)
+    p.add_argument("--baseline-s", type=float, default=60.0,
+                   help="the same load with done against an echo server (no routing): the machine's floor")
     p.add_argument("--settle-s", type=float, default=6.0, help="idle time before the final RSS reading")
     p.add_argument("--no-faults", action="store_true", help="skip the dead-engine and restart figures (bench/faults.py)")
     p.add_argument("--poll-s", type=float, default=1.0, help="bench/faults.py: the controller's engine /metrics poll")

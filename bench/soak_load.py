@@ -107,6 +107,36 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
     ctx.destroy(linger=0)
 
 
+def echo_server(conn: Connection) -> None:
+    """The machine's floor for :func:`load_client`'s latency: a ROUTER that answers every route
+    with a canned decision and every done with an ack, doing no routing work. Run at normal
+    priority like the controller; its p99 next to the controller's, at the same rate in the same
+    run, tells the controller's share of the soak's tail from the machine's (other processes,
+    hypervisor steal). Sends its endpoint, serves until a message arrives on ``conn``."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    conn.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    decision = _enc({"type": "decision", "request_id": "echo", "instance_id": "a"})
+    ack = _enc({"type": "done_ack", "request_id": "echo"})
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not conn.poll(0):
+        if not poller.poll(100):
+            continue
+        while True:
+            try:
+                ident, corr, empty, payload = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:  # another framing: not ours
+                continue
+            sock.send_multipart([ident, corr, empty, decision if corr[:1] == b"r" else ack])
+    ctx.destroy(linger=0)
+
+
 def calibrate(endpoint: str, seconds: float, window: int, conn: Connection) -> None:
     """Closed-loop route+done with ``window`` routes outstanding: the controller's ceiling here."""
     lower_priority()

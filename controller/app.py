@@ -386,6 +386,7 @@ class ControllerApp:
             max_sources_per_instance=lim.lmcache_max_sources_per_instance,
             worker_timeout_s=lim.lmcache_worker_timeout_s,
             max_sync_batches=lim.lmcache_max_sync_batches,
+            worker=self.service.worker,
         )
         await server.start()
         self.lmcache_server = server

@@ -13,7 +13,7 @@ and an optional dedicated heartbeat ROUTER advertised in ``RegisterRetMsg.extra_
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -307,6 +307,55 @@ def decode(frame: bytes | bytearray | memoryview) -> AnyMsg:
     if tag in _OTHER_LMCACHE_CLASSES:
         raise ProtocolError(unknown_type_error(tag), lmcache_type=tag)
     raise ProtocolError(first_error)
+
+
+class Bulk(NamedTuple):
+    """The long list of a ``BatchedKVOperationMsg`` (``admits``, ``keys``, ``seqs``) or a
+    ``FullSyncBatchMsg`` (``keys``; ``admits`` and ``seqs`` None), as columns that are applied a
+    slice at a time; numpy arrays when they come back from the frame worker (one copy to unpickle,
+    not a Python object per key), lists otherwise."""
+
+    admits: Any
+    keys: Any
+    seqs: Any
+
+
+def split_bulk(msg: AnyMsg, compact: bool = False) -> tuple[AnyMsg, Bulk | None]:
+    """``msg`` without its operations / keys, and those as a :class:`Bulk` (None for other messages)."""
+    if isinstance(msg, BatchedKVOperationMsg):
+        ops = msg.operations
+        bulk = Bulk([op.op_type == "admit" for op in ops], [op.key for op in ops], [op.seq_num for op in ops])
+        msg = msgspec.structs.replace(msg, operations=[])
+    elif isinstance(msg, FullSyncBatchMsg):
+        bulk = Bulk(None, msg.keys, None)
+        msg = msgspec.structs.replace(msg, keys=[])
+    else:
+        return msg, None
+    if compact:
+        bulk = Bulk(*(None if col is None else _column(col) for col in bulk))
+    return msg, bulk
+
+
+def _column(values: list[Any]) -> Any:
+    import numpy as np
+
+    if values and isinstance(values[0], bool):
+        return np.array(values, dtype=np.bool_)
+    for dtype in (np.int64, np.uint64):
+        try:
+            return np.array(values, dtype=dtype)
+        except OverflowError:
+            pass
+    return values  # signed and beyond 2^63 at once: stays a list
+
+
+def decode_split(frame: bytes) -> tuple[AnyMsg, Bulk | None] | str:
+    """The frame worker's part (controller/offload.py): :func:`decode` then :func:`split_bulk`
+    into numpy columns; the ProtocolError's text when the frame is refused."""
+    try:
+        return split_bulk(decode(frame), compact=True)
+    except ProtocolError as exc:
+        return str(exc)
 
 
 def _unknown_tag(error: str) -> str | None:

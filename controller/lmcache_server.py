@@ -24,7 +24,7 @@ import socket as _socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import zmq
 import zmq.asyncio
@@ -32,6 +32,9 @@ import zmq.asyncio
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
 from smetric_lmc.controller.lmcache_upstream import Upstream
+
+if TYPE_CHECKING:
+    from smetric_lmc.controller.offload import OffloadWorker
 
 __all__ = ["LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
 
@@ -82,9 +85,27 @@ YIELD_EVERY = 64
 #: ... or after this many bytes or seconds of messages since the last yield.
 YIELD_BYTES = 1 << 20
 YIELD_S = 0.002
+#: PULL frames larger than this are decoded in the frame worker (``worker``), not on the loop.
+OFFLOAD_BYTES = 256 << 10
 #: Missing full-sync batches reported per status reply (the worker resends them and asks again).
 MISSING_WINDOW = 4096
 _FULL = "controller knows too many LMCache workers (limits.lmcache_max_workers)"
+
+
+class _Rest(NamedTuple):
+    """A PULL message's bulk list, applied ``OPS_SLICE`` entries at a time from ``start``."""
+
+    lmc_id: str
+    worker_id: int
+    location: str
+    bulk: P.Bulk
+    start: int
+    sync: bool  # full-sync keys (all admits), else KV operations
+
+
+def _plain(values: Any) -> list[Any]:
+    """A column slice as a list of Python scalars (numpy's would end up in the index's tables)."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 @dataclass
@@ -140,6 +161,7 @@ class LMCacheWorkerServer:
         worker_timeout_s: float = 300.0,
         max_sync_batches: int = 100_000,
         upstream_timeout_s: float = 2.0,
+        worker: OffloadWorker | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self._sink = sink
@@ -156,6 +178,7 @@ class LMCacheWorkerServer:
         self._max_sources = max_sources_per_instance
         self._worker_timeout = worker_timeout_s
         self._max_sync_batches = max_sync_batches
+        self._frame_worker = worker
         self._last_sweep = 0.0
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
@@ -179,11 +202,12 @@ class LMCacheWorkerServer:
                 "full_sync_started", "full_sync_rejected", "full_sync_completed",
                 "full_sync_stray", "p2p_lookups", "legacy_single_ops",
                 "send_errors", "workers_refused", "workers_expired", "sources_refused",
+                "offloaded", "large_on_loop", "worker_failures",
             ),
             0,
         )
         self._closed = False
-        self._rest: tuple[P.BatchedKVOperationMsg, int] | None = None  # a batch applied a slice at a time
+        self._rest: _Rest | None = None  # a batch applied a slice at a time
 
     # ---- lifecycle ----
 
@@ -294,10 +318,13 @@ class LMCacheWorkerServer:
             for frame in frames:
                 self._stats["pull_frames"] += 1
                 try:
-                    key = self._on_push_frame(frame)
+                    decoded = await self._decode_push(frame)
+                    key = None if decoded is None else self._on_push_msg(*decoded)
                     while self._rest is not None:
                         await asyncio.sleep(0)
                         self._apply_rest()
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    raise
                 except Exception:
                     key = None
                     self._rest = None
@@ -341,18 +368,52 @@ class LMCacheWorkerServer:
             self._stats["decode_errors"] += 1
             raise
 
-    def _on_push_frame(self, frame: bytes) -> tuple[str, int] | None:
-        """Apply one PULL frame; return the (instance, worker) it came from, if valid."""
+    async def _decode_push(self, frame: bytes) -> tuple[P.AnyMsg, P.Bulk | None] | None:
+        """One PULL frame decoded, its bulk list split off; None when it is refused (counted).
+        Frames over ``OFFLOAD_BYTES`` are decoded in the frame worker: a 16 MiB one costs ~60 ms."""
+        if len(frame) <= OFFLOAD_BYTES or len(frame) > self._max_frame:
+            pass
+        elif self._frame_worker is not None and self._frame_worker.start():
+            try:
+                out = await self._frame_worker.submit(P.decode_split, frame)
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:  # the worker died with it: that frame is lost, never retried here
+                self._stats["worker_failures"] += 1
+                log.error("LMCache PULL: frame worker failed (%s); frame dropped", exc)
+                return None
+            self._stats["offloaded"] += 1
+            if isinstance(out, str):
+                self._stats["decode_errors"] += 1
+                log.debug("dropping undecodable PULL frame: %s", out)
+                return None
+            return out
+        else:
+            self._stats["large_on_loop"] += 1  # no worker here (its start failure is logged once)
+        return self._decode_here(frame)
+
+    def _decode_here(self, frame: bytes) -> tuple[P.AnyMsg, P.Bulk | None] | None:
         try:
-            msg = self._decode(frame)
+            return P.split_bulk(self._decode(frame))
         except P.ProtocolError as exc:
             log.debug("dropping undecodable PULL frame: %s", exc)
             return None
+
+    def _on_push_frame(self, frame: bytes) -> tuple[str, int] | None:
+        """Decode and apply one PULL frame on the loop (the first slice of a bulk list: the rest
+        stays in ``_rest``)."""
+        decoded = self._decode_here(frame)
+        return None if decoded is None else self._on_push_msg(*decoded)
+
+    def _on_push_msg(self, msg: P.AnyMsg, bulk: P.Bulk | None) -> tuple[str, int] | None:
+        """Apply one PULL message; return the (instance, worker) it came from, if valid."""
         if isinstance(msg, P.BatchedKVOperationMsg):
-            self._rest = (msg, 0)
+            assert bulk is not None
+            self._rest = _Rest(msg.instance_id, msg.worker_id, msg.location, bulk, 0, sync=False)
             self._apply_rest()  # the first slice now; the PULL loop yields before each further one
         elif isinstance(msg, P.FullSyncBatchMsg):
-            self._on_sync_batch(msg)
+            assert bulk is not None
+            self._on_sync_batch(msg, bulk)
         elif isinstance(msg, P.FullSyncEndMsg):
             self._on_sync_end(msg)
         elif isinstance(msg, P.DeRegisterMsg):
@@ -370,16 +431,24 @@ class LMCacheWorkerServer:
         return msg.instance_id, msg.worker_id
 
     def _apply_rest(self) -> bool:
-        """Apply the next ``OPS_SLICE`` operations of the batch in ``_rest``; True while more are
-        left (a 90 k-op batch costs ~150 ms at once). Each slice goes through ``_on_kv_ops``
-        again, so a full sync that started meanwhile takes over, as it would between batches."""
+        """Apply the next ``OPS_SLICE`` operations (or full-sync keys) in ``_rest``; True while
+        more are left (a 90 k-op batch costs ~150 ms at once). Each slice of operations goes
+        through ``_on_kv_ops`` again, so a full sync that started meanwhile takes over, as it would
+        between batches; a full-sync batch stops when its worker is gone."""
         assert self._rest is not None
-        msg, start = self._rest
-        ops = msg.operations[start:start + OPS_SLICE]
-        end = start + len(ops)
-        self._rest = (msg, end) if end < len(msg.operations) else None
-        self._on_kv_ops(msg.instance_id, msg.worker_id, msg.location,
-                        [(op.op_type == "admit", op.key, op.seq_num) for op in ops])
+        r = self._rest
+        end = min(r.start + OPS_SLICE, len(r.bulk.keys))
+        self._rest = r._replace(start=end) if end < len(r.bulk.keys) else None
+        keys = _plain(r.bulk.keys[r.start:end])
+        if not r.sync:
+            admits, seqs = _plain(r.bulk.admits[r.start:end]), _plain(r.bulk.seqs[r.start:end])
+            self._on_kv_ops(r.lmc_id, r.worker_id, r.location, list(zip(admits, keys, seqs, strict=True)))
+        else:
+            w = self._workers.get((r.lmc_id, r.worker_id))
+            if w is None or w.instance_id is None:
+                self._rest = None
+                return False
+            self._apply(w, r.location, [(True, k) for k in keys])
         return self._rest is not None
 
     def _on_request_frame(self, frame: bytes, heartbeat_only: bool) -> P.ReplyMsg:
@@ -632,7 +701,7 @@ class LMCacheWorkerServer:
             return None
         return w, w.sync
 
-    def _on_sync_batch(self, msg: P.FullSyncBatchMsg) -> None:
+    def _on_sync_batch(self, msg: P.FullSyncBatchMsg, bulk: P.Bulk) -> None:
         found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
         if found is None:
             return
@@ -643,13 +712,15 @@ class LMCacheWorkerServer:
         s.batches.add(msg.batch_id)
         while s.first_missing in s.batches:  # monotonic: O(1) per batch overall
             s.first_missing += 1
-        s.keys_received += len(msg.keys)
+        n = len(bulk.keys)
+        s.keys_received += n
         s.last_activity = time.monotonic()
-        self._stats["kv_ops"] += len(msg.keys)
+        self._stats["kv_ops"] += n
         if w.instance_id is None:
-            self._stats["kv_ops_unresolved"] += len(msg.keys)
+            self._stats["kv_ops_unresolved"] += n
             return
-        self._apply(w, msg.location, [(True, k) for k in msg.keys])
+        self._rest = _Rest(w.lmc_id, w.worker_id, msg.location, bulk, 0, sync=True)
+        self._apply_rest()  # as a batch of operations: the PULL loop yields before each further slice
 
     def _on_sync_end(self, msg: P.FullSyncEndMsg) -> None:
         found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
