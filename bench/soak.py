@@ -447,10 +447,27 @@ async def load_soak(app: ControllerApp, args: argparse.Namespace, lag: dict[str,
         print(f"soak {name}: {rate:.0f} routes/s for {seconds:.0f} s", file=sys.stderr)
         phases[name] = await _in_child(lag, name, soak_load.load_client, endpoint, rate, seconds, done)
         phases[name]["in_flight_after"] = len(app.load)
+        phases[name]["windows"] = tail_windows(phases[name].pop("windows"))
     if args.baseline_s > 0:
         print(f"soak echo_baseline: {rate:.0f} routes/s for {args.baseline_s:.0f} s", file=sys.stderr)
         phases["echo_baseline"] = await echo_baseline(lag, rate, args.baseline_s)
     return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "phases": phases}
+
+
+def tail_windows(windows: list[dict[str, float]], over_ms: float = 5.0) -> dict[str, Any]:
+    """Where a phase's tail came from: of its ``soak_load.WINDOW_S`` windows, how many had a p99
+    over ``over_ms``, the machine's mean steal in those and in the others (% of one CPU), and the
+    three worst."""
+    def mean(xs: list[float]) -> float | None:
+        xs = [x for x in xs if x == x]  # NaN: no steal reading for that window
+        return round(sum(xs) / len(xs), 1) if xs else None
+
+    slow = [w for w in windows if w["p99_ms"] > over_ms]
+    fast = [w for w in windows if w["p99_ms"] <= over_ms]
+    return {"count": len(windows), f"p99_over_{over_ms:g}ms": len(slow),
+            "steal_pct_slow": mean([w["steal_pct"] for w in slow]),
+            "steal_pct_other": mean([w["steal_pct"] for w in fast]),
+            "worst": sorted(windows, key=lambda w: -w["p99_ms"])[:3]}
 
 
 async def echo_baseline(lag: dict[str, Any], rate: float, seconds: float) -> dict[str, Any]:
@@ -463,7 +480,9 @@ async def echo_baseline(lag: dict[str, Any], rate: float, seconds: float) -> dic
     await loop.run_in_executor(None, proc.start)
     try:
         endpoint = await loop.run_in_executor(None, parent.recv)
-        return await _in_child(lag, "echo_baseline", soak_load.load_client, endpoint, rate, seconds, True)
+        out = await _in_child(lag, "echo_baseline", soak_load.load_client, endpoint, rate, seconds, True)
+        out["windows"] = tail_windows(out.pop("windows"))
+        return out
     finally:
         parent.send("stop")
         await loop.run_in_executor(None, proc.join, 10)

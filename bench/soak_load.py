@@ -59,8 +59,11 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
     sent = answered = errors = 0
     pending: dict[bytes, float] = {}
     lat: list[float] = []
+    sent_at: list[float] = []  # parallel to lat: when each answered route was sent
     t0 = time.perf_counter()
     end = t0 + seconds
+    steal = _steal_reader()
+    steal_marks = [(t0, steal())]  # (time, the machine's steal so far) every WINDOW_S
 
     def read(timeout_ms: int) -> None:
         nonlocal answered, errors
@@ -78,6 +81,7 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
                 continue
             now = time.perf_counter()
             lat.append(now - t_sent)
+            sent_at.append(t_sent - t0)
             reply = _dec(payload)
             if reply.get("type") != "decision":
                 errors += 1
@@ -94,17 +98,53 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
             sock.send_multipart([corr, b"", _route_frame(sent)])
             sent += 1
         read(1)
+        if now - steal_marks[-1][0] >= WINDOW_S:
+            steal_marks.append((now, steal()))
     drain_until = time.perf_counter() + 5.0
     while pending and time.perf_counter() < drain_until:
         read(50)
+    windows = _windows(sent_at, lat, steal_marks, t0)
     lat.sort()
     conn.send({
         "sent": sent, "answered": answered, "errors": errors, "unanswered": len(pending),
         "routes_per_s": round(answered / seconds, 1),
         "p50_ms": round(1000 * (_pct(lat, 0.5) or 0), 3), "p99_ms": round(1000 * (_pct(lat, 0.99) or 0), 3),
         "p999_ms": round(1000 * (_pct(lat, 0.999) or 0), 3), "max_ms": round(1000 * (lat[-1] if lat else 0), 3),
+        "windows": windows,
     })
     ctx.destroy(linger=0)
+
+
+#: Width of the per-window latency figures (``windows`` in the summary).
+WINDOW_S = 10.0
+
+
+def _steal_reader() -> Any:
+    """The CPU time the hypervisor has taken from this machine's CPUs so far (s, all CPUs:
+    ``/proc/stat``'s steal column); 0.0 where absent."""
+    try:
+        fd = os.open("/proc/stat", os.O_RDONLY)
+    except OSError:
+        return lambda: 0.0
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    return lambda: int(os.pread(fd, 256, 0).split(maxsplit=9)[8]) * tick
+
+
+def _windows(sent_at: list[float], lat: list[float], steal_marks: list[tuple[float, float]],
+             t0: float) -> list[dict[str, float]]:
+    """Per ``WINDOW_S`` of send time: routes, p99 and max latency, and the machine's steal then
+    (% of one CPU): a tail made in a few windows of heavy steal is the machine's, not the server's."""
+    by_window: dict[int, list[float]] = {}
+    for t, x in zip(sent_at, lat, strict=True):
+        by_window.setdefault(int(t // WINDOW_S), []).append(x)
+    stolen = {int((a - t0) // WINDOW_S): 100 * (sb - sa) / (b - a)
+              for (a, sa), (b, sb) in zip(steal_marks, steal_marks[1:], strict=False) if b > a}
+    out = []
+    for w, xs in sorted(by_window.items()):
+        xs.sort()
+        out.append({"t_s": w * WINDOW_S, "routes": len(xs), "p99_ms": round(1000 * (_pct(xs, 0.99) or 0), 2),
+                    "max_ms": round(1000 * xs[-1], 2), "steal_pct": round(stolen.get(w, float("nan")), 1)})
+    return out
 
 
 def echo_server(conn: Connection) -> None:

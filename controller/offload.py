@@ -92,6 +92,9 @@ class OffloadWorker:
         return asyncio.wrap_future(fut)
 
     def close(self) -> None:
+        """Stop the worker for good: the sockets sharing it may still get a large frame while the
+        controller shuts down, and must not start another (they handle it on the loop)."""
+        self.unavailable = "closed"
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

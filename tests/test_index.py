@@ -250,6 +250,25 @@ def test_orphans_of_a_removed_block_or_past_their_ttl_are_dropped():
     assert ix.stats["gpu_orphans_dropped"] == 2 and ix.stats["gpu_orphans_adopted"] == 0
 
 
+def test_orphans_falling_due_together_expire_in_bounded_slices():
+    # A full cap of orphan runs expiring in one call held the loop ~55 ms (bench/soak.py: 600 s
+    # after its storm); each call now drops about EXPIRE_SLICE blocks and stays due for the rest.
+    from smetric_lmc.index.side import EXPIRE_SLICE
+
+    ix, clock = clocked(orphan_ttl_s=10)
+    runs = 3 * EXPIRE_SLICE // 16
+    for r in range(runs):
+        ix.gpu_stored("i0", [10_000 + 16 * r + k for k in range(16)], 5_000 + r, list(range(256)), 16)
+    assert ix.stats["gpu_orphans_waiting"] == 16 * runs
+    clock[0] = 11
+    slices = []
+    while ix.needs_maintenance:
+        before = ix.stats["gpu_orphans_waiting"]
+        ix.maintain()
+        slices.append(before - ix.stats["gpu_orphans_waiting"])
+    assert slices == [EXPIRE_SLICE] * 3 and ix.stats["gpu_orphans_dropped"] == 16 * runs
+
+
 # ---- issue: a fast follow-up can beat its own KV events ----------------------------------------
 def test_pending_prompt_is_credited_until_confirmed_or_expired():
     ix, clock = clocked(pending_ttl_s=5)

@@ -8,8 +8,8 @@ from typing import Any
 
 from ..tables import compacted
 
-#: Pending entries one :meth:`Pending.expire` call drops at most (~1 us each): a slice of the loop
-#: even when a whole burst's prompts fall due together after an idle spell.
+#: Pending entries (or orphan blocks) one ``expire`` call drops at most (~1 us each): a slice of the
+#: loop even when a whole burst's prompts or a full cap of orphans fall due together.
 EXPIRE_SLICE = 4096
 #: Drops between two checks for maps that shrank (``smetric_lmc.tables``).
 COMPACT_EVERY = 1024
@@ -222,17 +222,20 @@ class Orphans:
         self.blocks[slot] -= len(hashes)
         return len(hashes)
 
-    def _forget(self, slot: int, parent: int, run: list[Any]) -> None:
+    def _forget(self, slot: int, parent: int, run: list[Any]) -> int:
+        """Drop ``run`` if it still waits; returns the blocks dropped."""
         if len(run) > 5:  # adopted or dropped already
-            return
+            return 0
         runs = self.by_parent.get((slot, parent))
         if runs is None or not any(r is run for r in runs):
-            return
+            return 0
         runs[:] = [r for r in runs if r is not run]
         if not runs:
             del self.by_parent[(slot, parent)]
-        self.dropped += self._unindex(slot, run)
+        n = self._unindex(slot, run)
+        self.dropped += n
         run.append(None)  # done with, like an adopted run
+        return n
 
     @staticmethod
     def _trim(fifo: deque[tuple[int, list[Any]]]) -> None:
@@ -240,11 +243,13 @@ class Orphans:
         while fifo and len(fifo[0][1]) > 5:
             fifo.popleft()
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float, budget: int = EXPIRE_SLICE) -> None:
+        """Drop runs past their deadline, about ``budget`` blocks' worth (~1 us each; the rest, if
+        any, stay due): a whole cap of orphans falling due together took ~55 ms at once."""
         q = self.queue
-        while q and q[0][0] <= now:
+        while q and q[0][0] <= now and budget > 0:
             _, slot, parent, run = q.popleft()
-            self._forget(slot, parent, run)
+            budget -= self._forget(slot, parent, run) or 1
             fifo = self.fifo.get(slot)
             if fifo is not None:
                 self._trim(fifo)
