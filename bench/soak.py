@@ -12,8 +12,10 @@ Phases, in order:
    ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
    as the engine the subscriber follows.
 2. load soak on the same controller: an open-loop client process (bench/soak_load.py) at the
-   highest sustainable rate (``--rate``; 0 = half the closed-loop ceiling measured first, the
-   headroom a shared machine needs to keep p99 low) for ``--soak-s`` with done reports, then
+   highest sustainable rate (``--rate``; 0: the closed-loop ceiling is measured first, then
+   ``--probe-s`` probes at 50, 40, 30, 20 and 10% of it, highest first, and the first whose p99
+   holds 5 ms is the rate: the highest rate that holds the latency target on this machine, whose
+   vCPUs lose much of their time to the hypervisor once both are busy) for ``--soak-s`` with done reports, then
    ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``),
    then ``--baseline-s`` of the same load with done against an echo server that does no routing
    (``soak_load.echo_server``): ``soak_p99_echo_baseline_ms`` is the latency this machine, ZMQ
@@ -436,10 +438,28 @@ async def _in_child(lag: dict[str, Any], label: str, target: Any, *args: Any) ->
         lag["phase"] = "idle"
 
 
+#: Fractions of the closed-loop ceiling probed, highest first, for the soak's rate (--rate 0).
+RATE_FRACTIONS = (0.5, 0.4, 0.3, 0.2, 0.1)
+P99_TARGET_MS = 5.0
+
+
 async def load_soak(app: ControllerApp, args: argparse.Namespace, lag: dict[str, Any]) -> dict[str, Any]:
     endpoint = app.service.endpoint or ""
     ceiling = await _in_child(lag, "calibrate", soak_load.calibrate, endpoint, args.calibrate_s, 16)
-    rate = args.rate or max(50.0, round(ceiling / 2))
+    probes: list[dict[str, float]] = []
+    rate = args.rate
+    if not rate:
+        # The highest rate that holds the latency target: the first fraction of the ceiling, from
+        # the top, whose probe meets it (the lowest probed if none does; the report says so).
+        for fraction in RATE_FRACTIONS:
+            rate = max(50.0, round(ceiling * fraction))
+            got = await _in_child(lag, "rate_probe", soak_load.load_client, endpoint, rate, args.probe_s, True)
+            steal = [w["steal_pct"] for w in got["windows"] if w["steal_pct"] == w["steal_pct"]]
+            probes.append({"rate": rate, "p99_ms": got["p99_ms"],
+                           "steal_pct": round(sum(steal) / len(steal), 1) if steal else None})
+            if got["p99_ms"] <= P99_TARGET_MS:
+                break
+        print(f"soak rate probes: {probes}", file=sys.stderr)
     phases = {}
     for name, seconds, done in (("with_done", args.soak_s, True), ("without_done", args.no_done_s, False)):
         if seconds <= 0:
@@ -451,7 +471,7 @@ async def load_soak(app: ControllerApp, args: argparse.Namespace, lag: dict[str,
     if args.baseline_s > 0:
         print(f"soak echo_baseline: {rate:.0f} routes/s for {args.baseline_s:.0f} s", file=sys.stderr)
         phases["echo_baseline"] = await echo_baseline(lag, rate, args.baseline_s)
-    return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "phases": phases}
+    return {"ceiling_routes_per_s": round(ceiling), "rate": rate, "rate_probes": probes, "phases": phases}
 
 
 def tail_windows(windows: list[dict[str, float]], over_ms: float = 5.0) -> dict[str, Any]:
@@ -727,7 +747,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--soak-s", type=float, default=600.0, help="route load with done reports")
     p.add_argument("--no-done-s", type=float, default=60.0, help="route load without done reports")
-    p.add_argument("--rate", type=float, default=0.0, help="routes/s of the soak (0: half the measured ceiling)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="routes/s of the soak (0: the highest of 50, 40, 30, 20, 10%% of the measured ceiling "
+                        "whose --probe-s probe holds p99 <= 5 ms)")
+    p.add_argument("--probe-s", type=float, default=10.0, help="seconds per rate probe")
     p.add_argument("--calibrate-s", type=float, default=5.0)
     p.add_argument("--baseline-s", type=float, default=60.0,
                    help="the same load with done against an echo server (no routing): the machine's floor")

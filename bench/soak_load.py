@@ -100,6 +100,7 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
         read(1)
         if now - steal_marks[-1][0] >= WINDOW_S:
             steal_marks.append((now, steal()))
+    steal_marks.append((time.perf_counter(), steal()))  # the last, partial window's reading
     drain_until = time.perf_counter() + 5.0
     while pending and time.perf_counter() < drain_until:
         read(50)
