@@ -19,7 +19,10 @@ Phases, in order:
    ``--no-done-s`` without (in-flight entries then expire after ``load.lost_done_grace_s``),
    then ``--baseline-s`` of the same load with done against an echo server that does no routing
    (``soak_load.echo_server``): ``soak_p99_echo_baseline_ms`` is the latency this machine, ZMQ
-   and the client alone give at that rate, the floor under ``soak_p99_ms``.
+   and the client alone give at that rate, the floor under ``soak_p99_ms``. Each phase reports
+   its 10-s windows with the machine's steal; ``soak_p99_low_steal_ms`` is the p99 of the routes
+   sent in windows where the hypervisor took under 5% of a CPU (``soak_low_steal_windows`` of
+   them), the controller's latency when the machine gives it its CPUs.
    RSS growth and the worst loop stall cover phases 1-2. ``rss_growth_mb`` is what the soak
    leaves behind: read once the requests of the without-done minute have expired (the config
    holds each for ``load.lost_done_grace_s``, 30 s, by design: that state is bounded by rate x
@@ -730,6 +733,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "soak_routes_per_s": with_done["routes_per_s"],
                 "soak_p99_ms": with_done["p99_ms"],
                 "soak_p99_echo_baseline_ms": soak["phases"].get("echo_baseline", {}).get("p99_ms"),
+                # The soak's routes sent in 10-s windows of under 5% steal, and how many windows.
+                "soak_p99_low_steal_ms": with_done["low_steal"]["p99_ms"],
+                "soak_low_steal_windows": f'{with_done["low_steal"]["windows"]}/{with_done["windows"]["count"]}',
             },
         }
     finally:
