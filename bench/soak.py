@@ -194,20 +194,6 @@ def _run_delay_reader() -> Any:
     return lambda: int(os.pread(fd, 128, 0).split()[1]) / 1e9
 
 
-def _steal_reader() -> Any:
-    """A reader of the CPU time the hypervisor has taken from this machine's CPUs so far (s,
-    summed over CPUs; ``/proc/stat``'s steal column, in clock ticks of 10 ms): a thread whose
-    virtual CPU is descheduled shows neither CPU time nor run-queue wait. 0.0 where absent."""
-    import os
-
-    try:
-        fd = os.open("/proc/stat", os.O_RDONLY)
-    except OSError:
-        return lambda: 0.0
-    tick = 1 / os.sysconf("SC_CLK_TCK")
-    return lambda: int(os.pread(fd, 256, 0).split(maxsplit=9)[8]) * tick
-
-
 async def loop_lag(state: dict[str, Any], period_s: float = 0.005, top: int = 5) -> None:
     """Worst lateness of a timer on the loop (wall), and how much of it the loop's thread spent on
     CPU: on a shared machine a late timer can be the OS scheduling other processes, not loop work.
@@ -217,7 +203,7 @@ async def loop_lag(state: dict[str, Any], period_s: float = 0.005, top: int = 5)
     preemption), or the thread asleep (the rest: a lock, the GIL held by another thread, a
     blocking call, or its virtual CPU descheduled by the hypervisor: the machine's steal then)."""
     worst: list[tuple[float, float, float, float, float, str, float]] = state.setdefault("worst", [])
-    run_delay, steal = _run_delay_reader(), _steal_reader()
+    run_delay, steal = _run_delay_reader(), soak_load.steal_reader()
     while True:
         t0, c0, q0, phase = time.perf_counter(), time.thread_time(), run_delay(), state.get("phase", "")
         s0 = steal()

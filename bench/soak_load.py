@@ -62,7 +62,7 @@ def load_client(endpoint: str, rate: float, seconds: float, done: bool, conn: Co
     sent_at: list[float] = []  # parallel to lat: when each answered route was sent
     t0 = time.perf_counter()
     end = t0 + seconds
-    steal = _steal_reader()
+    steal = steal_reader()
     steal_marks = [(t0, steal())]  # (time, the machine's steal so far) every WINDOW_S
 
     def read(timeout_ms: int) -> None:
@@ -128,9 +128,10 @@ WINDOW_S = 10.0
 LOW_STEAL_PCT = 5.0
 
 
-def _steal_reader() -> Any:
-    """The CPU time the hypervisor has taken from this machine's CPUs so far (s, all CPUs:
-    ``/proc/stat``'s steal column); 0.0 where absent."""
+def steal_reader() -> Any:
+    """A reader of the CPU time the hypervisor has taken from this machine's CPUs so far (s,
+    summed over CPUs; ``/proc/stat``'s steal column, in clock ticks of 10 ms): a thread whose
+    virtual CPU is descheduled shows neither CPU time nor run-queue wait. 0.0 where absent."""
     try:
         fd = os.open("/proc/stat", os.O_RDONLY)
     except OSError:
