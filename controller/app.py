@@ -233,6 +233,9 @@ class ControllerApp:
                 self.metrics, self.health_dict, self.cfg.server.metrics_host, self.cfg.server.metrics_port
             )
             await self.metrics_server.start()
+        from .peer_apis import start_peer_apis  # read-only index APIs for other stacks (off by default)
+
+        self.peer_apis = await start_peer_apis(self.core, self.cfg.peer_apis)
         if self._liveness_enforced:
             self._spawn("liveness", self._liveness_loop)
         self._spawn("index-maintain", self._maintain_loop)
@@ -290,6 +293,8 @@ class ControllerApp:
             closers.append(self.global_tier.close)
         if self.metrics_server is not None:
             closers.append(self.metrics_server.close)
+        if getattr(self, "peer_apis", None) is not None:
+            closers.append(self.peer_apis.close)
         for close in closers:
             try:
                 await asyncio.wait_for(close(), timeout=5.0)

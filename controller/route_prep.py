@@ -33,6 +33,7 @@ MAX_REQUEST_ID_CHARS = 512
 #: Token ids are vocabulary indices; the index stores them as u32.
 MAX_TOKEN_ID = (1 << 32) - 1
 MAX_HASH = (1 << 64) - 1
+MIN_SIGNED_HASH = -(1 << 63)
 #: One chain per hash scheme ("fast", the LMCache schemes, vLLM's).
 MAX_HASH_CHAINS = 4
 
@@ -84,8 +85,10 @@ def check_bounds(req: RouteRequest, lim: LimitsConfig) -> None:
                 "too_large", f"{len(hc.hashes)} hashes of {hc.block_size} tokens exceed "
                 f"limits.max_prompt_tokens={cap}"
             )
-        if hc.hashes and (min(hc.hashes) < 0 or max(hc.hashes) > MAX_HASH):
-            raise WireError("bad_request", "hashes must be within [0, 2^64-1]")
+        # LMCache's builtin chunk hashes are Python hash() values: signed 64-bit.
+        low = MIN_SIGNED_HASH if hc.scheme == "lmcache_builtin" else 0
+        if hc.hashes and (min(hc.hashes) < low or max(hc.hashes) > MAX_HASH):
+            raise WireError("bad_request", f"{hc.scheme} hashes must be within [{'-2^63' if low else 0}, 2^64-1]")
 
 
 def _check_root(hc: HashChain, root: int) -> None:

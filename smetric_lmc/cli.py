@@ -18,6 +18,7 @@ _PARTS = {
     "up": ("smetric_lmc.workers.up", "add_subcommands"),
     "mock-engine": ("smetric_lmc.mock_engine.cli", "add_subcommands"),
     "replay": ("smetric_lmc.replay.cli", "add_subcommands"),
+    "router": ("smetric_lmc.dropin.router", "add_subcommands"),
 }
 
 

@@ -210,6 +210,15 @@ class LimitsConfig(_Cfg):
             raise ValueError("max_transport_bytes must be >= max_frame_bytes")
 
 
+class PeerApisConfig(_Cfg):
+    """Read-only index queries other stacks already make (controller/peer_apis.py); off by default."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 0  # Dynamo standalone indexer / Mooncake KV Indexer RFC HTTP API (0: off)
+    grpc_port: int = 0  # llm-d IndexerService.GetPodScores over gRPC (0: off; needs the `indexer` extra)
+    max_query_tokens: int = 262_144  # one query's token ids or hashes (bounds its work on the loop)
+
+
 class Config(_Cfg):
     model: str = ""
     pd_mode: Literal["colocated", "disaggregated"] = "colocated"
@@ -223,6 +232,7 @@ class Config(_Cfg):
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     replicas: ReplicasConfig = msgspec.field(default_factory=ReplicasConfig)
     snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
+    peer_apis: PeerApisConfig = msgspec.field(default_factory=PeerApisConfig)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

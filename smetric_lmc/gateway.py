@@ -60,6 +60,7 @@ from smetric_lmc.gateway_prompt import (
     parse_turn_header,
 )
 from smetric_lmc.hashing import HashSettings
+from smetric_lmc.session import SessionHints
 from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class Gateway:
             "hash_mismatch": 0, "prefilled_reports": 0, "prefilled_failures": 0,
         }
         self.metrics = GatewayMetrics(list(self._by_id))
+        self.sessions = SessionHints()  # add_header(): a deployment's own session header
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -267,6 +269,10 @@ class Gateway:
             est = parse_turn_header(request.headers.get("X-SMetric-Est-Hit"), "X-SMetric-Est-Hit")
             if est is not None:
                 info = dataclasses.replace(info, est_hit_tokens=est)
+            # Peers' session headers (x-dynamo-session-id, X-SMG-Routing-Key, --session-key) as a turn hint.
+            turn, est = self.sessions.observe(self.sessions.key(request.headers), info.turn, info.est_hit_tokens,
+                                              len(info.token_ids) if info.token_ids is not None else info.approx_tokens)
+            info = dataclasses.replace(info, turn=turn, est_hit_tokens=est)
         except (ValueError, BadRequest) as exc:
             return _error(400, str(exc), "invalid_request_error")
         t_read = time.monotonic()

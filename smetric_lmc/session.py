@@ -16,7 +16,8 @@ conversations.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Message = dict[str, Any]
@@ -115,3 +116,52 @@ class HFChatTokenizer:
 
     def count(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> int:
         return len(self.encode_chat(messages, tools, generation=False))
+
+
+#: Session headers the peer ecosystems send, accepted next to ours: production-stack's router reads
+#: the header its ``--session-key`` names (added per deployment), NVIDIA Dynamo's frontend
+#: ``x-dynamo-session-id``, SGLang's model gateway ``X-SMG-Routing-Key``.
+SESSION_HEADERS = ("X-SMetric-Session", "x-dynamo-session-id", "X-SMG-Routing-Key")
+
+
+class SessionHints:
+    """Turn and est_hit for requests that name their session in a header but carry no turn.
+
+    A chat request's turn comes from its messages; a completion's prompt does not say it. With a
+    session header, the n-th request of that session is turn n, and its expected hit is what the
+    previous request of the session sent (its prompt is cached where it ran). Only sessions are
+    remembered, at most ``capacity`` of them, least recently used first out; O(1) per request.
+    """
+
+    def __init__(self, headers: Sequence[str] = SESSION_HEADERS, capacity: int = 100_000) -> None:
+        self.headers = tuple(dict.fromkeys(h.lower() for h in headers))
+        self.capacity = capacity
+        self._seen: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (requests, last prompt tokens)
+        self.counters = {"hinted": 0, "sessions": 0}
+
+    def add_header(self, name: str) -> None:
+        if name and name.lower() not in self.headers:
+            self.headers = (*self.headers, name.lower())
+
+    def key(self, headers: Mapping[str, str]) -> str | None:
+        for name in self.headers:
+            value = headers.get(name)
+            if value:
+                return value[:256]  # bounded memory per remembered session
+        return None
+
+    def observe(self, key: str | None, turn: int | None, est_hit: int | None,
+                prompt_tokens: int) -> tuple[int | None, int | None]:
+        """(turn, est_hit) for a request of session ``key`` (unchanged when no key or already known)."""
+        if key is None:
+            return turn, est_hit
+        n, last = self._seen.pop(key, (0, 0))
+        if n == 0:
+            self.counters["sessions"] += 1
+        self._seen[key] = (n + 1, prompt_tokens)
+        if len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        if turn is not None:
+            return turn, est_hit
+        self.counters["hinted"] += 1
+        return n, est_hit if est_hit is not None else (min(last, prompt_tokens) if n else None)

@@ -1,0 +1,277 @@
+"""``smetric router``: production-stack's chart arguments, routes and LMCache ports, on mock engines.
+
+What runs for real: the router (controller, LMCache worker server, gateway) on loopback sockets,
+SMetric's mock engines (vLLM's HTTP protocol) as child processes, the official ``kubernetes``
+client, ``grpcio``. What cannot run here and is stood in for: Helm (the argument list below is the
+chart template's, recorded), a Kubernetes API server (there is no cluster here: a local aiohttp
+server answers pod list / watch with API-server-shaped pods), LMCache workers (their controller
+messages are sent from PUSH / DEALER sockets, encoded by ``controller/lmcache_proto.py``, which
+``test_lmcache_proto.py`` checks against LMCache 0.5.6's own classes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from smetric_lmc.dropin import harness
+from smetric_lmc.dropin.args import ArgsError, build_parser
+from smetric_lmc.dropin.router import DropinRouter, build_config
+from smetric_lmc.hashing import lmcache_chunk_chain
+from smetric_lmc.mock_engine.stack import start_mock_engines
+from smetric_lmc.workers.launch import free_ports
+
+#: The router's argument list as production-stack's chart (vllm-stack 0.1.12, template
+#: helm/templates/deployment-router.yaml at production-stack a6c01db) renders it for these values:
+#:   routerSpec: {serviceDiscovery: static, staticBackends: <2 URLs>, staticModels: "tiny,tiny",
+#:     routingLogic: kvaware, sessionKey: x-user-id, engineScrapeInterval: 15, requestStatsWindow: 60,
+#:     lmcacheControllerPort: 9000, lmcacheControllerReplyPort: 9001, lmcacheControllerHeartbeatPort: 9002,
+#:     otel: {endpoint: "otel-collector:4317"}, extraArgs: [--smetric-static-ids, "pod-a,pod-b"]}
+CHART_VERSION = "0.1.12"
+CHART_STATIC_ARGS = [
+    "--host", "0.0.0.0", "--port", "8000", "--service-discovery", "static",
+    "--static-backends", "BACKENDS", "--static-models", "tiny,tiny",
+    "--routing-logic", "kvaware", "--session-key", "x-user-id",
+    "--engine-stats-interval", "15", "--request-stats-window", "60",
+    "--smetric-static-ids", "pod-a,pod-b",
+    "--lmcache-controller-port", "9000", "--lmcache-controller-reply-port", "9001",
+    "--lmcache-controller-heartbeat-port", "9002",
+    "--otel-endpoint", "otel-collector:4317", "--otel-service-name", "vllm-router",
+]
+#: The chart's default k8s discovery list (values.yaml defaults, servingEngineSpec.labels
+#: {environment: test, release: test}, release namespace "default").
+CHART_K8S_ARGS = [
+    "--host", "0.0.0.0", "--port", "8000", "--service-discovery", "k8s", "--k8s-namespace", "default",
+    "--k8s-service-discovery-type", "pod-ip", "--k8s-label-selector", "environment=test,release=test",
+    "--routing-logic", "roundrobin", "--engine-stats-interval", "15", "--request-stats-window", "60",
+]
+
+
+def test_recorded_lists_are_what_the_template_renders() -> None:
+    values = {"serviceDiscovery": "static", "staticBackends": "BACKENDS", "staticModels": "tiny,tiny",
+              "routingLogic": "kvaware", "sessionKey": "x-user-id", "lmcacheControllerPort": 9000,
+              "lmcacheControllerReplyPort": 9001, "lmcacheControllerHeartbeatPort": 9002,
+              "otel": {"endpoint": "otel-collector:4317"}, "extraArgs": ["--smetric-static-ids", "pod-a,pod-b"]}
+    assert harness.CHART_VERSION == CHART_VERSION
+    assert harness.chart_router_args(values) == CHART_STATIC_ARGS
+    assert harness.chart_router_args({}) == CHART_K8S_ARGS
+
+
+def test_every_chart_routing_logic_maps_and_bad_lists_say_why() -> None:
+    p = build_parser()
+    for logic, policy in (("roundrobin", "round_robin"), ("session", "smetric"), ("prefixaware", "smetric"),
+                          ("kvaware", "smetric"), ("smetric", "smetric"), ("smetric_ect", "smetric_ect")):
+        args = p.parse_args([*CHART_K8S_ARGS, "--routing-logic", logic])
+        assert build_config(args).policy.name == policy
+    with pytest.raises(ArgsError, match="disaggregated prefill"):
+        build_config(p.parse_args([*CHART_K8S_ARGS, "--routing-logic", "disaggregated_prefill"]))
+    with pytest.raises(ArgsError, match="needs --static-backends"):
+        build_config(p.parse_args(["--service-discovery", "static"]))
+    with pytest.raises(ArgsError, match="2 --static-backends but 1"):
+        build_config(p.parse_args(["--service-discovery", "static", "--static-backends", "http://a:1,http://b:1",
+                                   "--static-models", "m"]))
+    cfg = build_config(p.parse_args(CHART_K8S_ARGS))
+    assert cfg.lmcache.enabled and cfg.lmcache.pull_url.endswith(":9000")
+    assert cfg.lmcache.reply_url.endswith(":9001") and cfg.lmcache.heartbeat_url.endswith(":9002")
+
+
+def _substitute(argv: list[str], subs: dict[str, str]) -> list[str]:
+    return [subs.get(a, a) for a in argv]
+
+
+@contextlib.asynccontextmanager
+async def running_router(argv: list[str], **kw: Any) -> AsyncIterator[DropinRouter]:
+    router = DropinRouter(build_parser().parse_args(argv), **kw)
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.close()
+
+
+async def until(cond: Any, timeout: float = 15.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not reached in {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+async def complete(http: aiohttp.ClientSession, url: str, prompt: str, headers: dict[str, str]) -> dict[str, str]:
+    async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                         headers=headers) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        assert body["choices"], body
+        return dict(r.headers)
+
+
+@pytest.fixture
+def mock_engines(tmp_path: Path) -> Any:
+    started = start_mock_engines(2, tmp_path, extra_args=["--speed", "50"])
+    yield [m for m, _ in started]
+    for g in {id(g): g for _, g in started}.values():
+        g.stop()
+
+
+async def test_chart_argument_list_runs_router_on_mock_engines(mock_engines: list[Any]) -> None:
+    port, pull, reply, hb, http_api, grpc_api = free_ports(6)
+    subs = {"BACKENDS": ",".join(m.http_url for m in mock_engines), "8000": str(port), "9000": str(pull),
+            "9001": str(reply), "9002": str(hb)}
+    argv = [*_substitute(CHART_STATIC_ARGS, subs), "--smetric-route-url", "tcp://127.0.0.1:*",
+            "--smetric-metrics-port", "0", "--smetric-indexer-http-port", str(http_api),
+            "--smetric-lmcache-host", "127.0.0.1"]
+    if importlib.util.find_spec("grpc_tools") is not None:
+        argv += ["--smetric-indexer-grpc-port", str(grpc_api)]
+    async with running_router(argv) as router, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{router.port}"
+        # production-stack's routes: the chart's probes hit /health
+        async with http.get(f"{url}/health") as r:
+            assert r.status == 200 and (await r.json())["status"] == "healthy"
+        async with http.get(f"{url}/version") as r:
+            assert "version" in await r.json()
+        async with http.get(f"{url}/engines") as r:
+            engines = await r.json()
+        assert [e["engine_id"] for e in engines] == ["pod-a", "pod-b"]
+        assert engines[0]["serving_models"] == ["tiny"]
+        async with http.get(f"{url}/v1/models") as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+        await until(lambda: sorted(router.routable()) == ["pod-a", "pod-b"], what="engines routable")
+
+        # LMCache worker messages on the chart's pull port change the decisions: a follow-up first
+        # lands anywhere (nothing indexed), then on the instance whose LMCache worker admitted its
+        # chunks. (The first route leaves a pending credit for its prompt on the instance it chose,
+        # so the admitted prompt extends it past that credit.)
+        base = "".join(f"line {k} of a long shared agent context\n" for k in range(40))
+        prompt = base + "".join(f"turn {k}: tool output and the agent's reply\n" for k in range(30))
+        async with http.post(f"{mock_engines[0].http_url}/tokenize", json={"model": "tiny", "prompt": prompt}) as r:
+            tokens = (await r.json())["tokens"]
+        hs = router.controller.hashing
+        chunks = lmcache_chunk_chain(tokens, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)
+        assert len(chunks) * hs.chunk_size > len(base)  # past the first route's pending credit
+        follow = {"X-SMetric-Turn": "1"}
+        before = await complete(http, url, base, follow)
+        assert before["X-SMetric-Reason"] != "sticky" and before["X-SMetric-Local-Hit"] == "0"
+        holder = "pod-a" if before["X-SMetric-Instance"] == "pod-b" else "pod-b"
+        other = "pod-a" if holder == "pod-b" else "pod-b"
+
+        worker = harness.LMCacheWorkerStandIn(f"tcp://127.0.0.1:{pull}", f"tcp://127.0.0.1:{reply}", holder)
+        try:
+            reg = await worker.register()
+            assert type(reg).__name__ == "RegisterRetMsg"
+            admitted = router.controller.index.stats["lmcache_admitted"]
+            await worker.admit(chunks)
+            await until(lambda: router.controller.index.stats["lmcache_admitted"] >= admitted + len(chunks),
+                        what="admits indexed")
+            after = [await complete(http, url, prompt, follow) for _ in range(3)]
+            assert {h["X-SMetric-Instance"] for h in after} == {holder}
+            assert {h["X-SMetric-Reason"] for h in after} == {"sticky"}
+            assert int(after[0]["X-SMetric-Local-Hit"]) == len(chunks) * hs.chunk_size
+
+            # the Dynamo / Mooncake HTTP query and llm-d GetPodScores see what route saw
+            async with http.post(f"http://127.0.0.1:{http_api}/query",
+                                 json={"token_ids": tokens, "model_name": "tiny"}) as r:
+                answer = await r.json()
+            assert answer["instances"][holder]["cpu"] == len(chunks) * hs.chunk_size
+            assert answer["instances"][holder]["gpu"] < answer["instances"][holder]["cpu"]
+            if "--smetric-indexer-grpc-port" in argv:
+                scores = await _pod_scores(grpc_api, prompt)
+                assert scores[holder] == answer["instances"][holder]["cpu"] / hs.block_size
+                assert scores[other] == answer["instances"][other]["cpu"] / hs.block_size < scores[holder]
+
+            # evicted from the holder: the follow-up no longer sticks there for its chunks
+            await worker.admit(chunks, evict=True)
+            await until(lambda: router.controller.index.lookup([], chunks).lmcache_chunks == [0, 0],
+                        what="evicts indexed")
+        finally:
+            worker.close()
+
+        # session headers as the peers spell them: the second request of a session is a follow-up
+        for header in ("x-user-id", "x-dynamo-session-id", "X-SMG-Routing-Key"):
+            first = await complete(http, url, f"{header} session prompt", {header: f"s-{header}"})
+            second = await complete(http, url, f"{header} session prompt, longer", {header: f"s-{header}"})
+            assert (first["X-SMetric-Turn"], second["X-SMetric-Turn"]) == ("0", "1"), header
+
+        async with http.get(f"{url}/metrics") as r:
+            text = await r.text()
+        assert 'vllm:healthy_pods_total{server="' in text
+        assert "smetric_gateway" in text
+
+
+async def _pod_scores(port: int, prompt: str, pods: tuple[str, ...] = ()) -> dict[str, float]:
+    import grpc
+
+    from smetric_lmc.controller.indexer_grpc import load_proto
+
+    pb2, pb2_grpc = load_proto()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        reply = await pb2_grpc.IndexerServiceStub(ch).GetPodScores(
+            pb2.GetPodScoresRequest(prompt=prompt, model_name="tiny", pod_identifiers=list(pods)), timeout=10)
+    return {s.pod: s.score for s in reply.scores}
+
+
+def _need_kubernetes() -> None:
+    if importlib.util.find_spec("kubernetes") is None:
+        if os.environ.get("CI"):
+            pytest.fail("the kubernetes client is not installed (pip install -e '.[k8s]')")
+        pytest.skip("LOUD SKIP: the kubernetes client is not installed (pip install -e '.[k8s]')")
+
+
+async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
+    """No cluster here: a local stand-in serves the Kubernetes API's pod list and watch."""
+    _need_kubernetes()
+    engine_port = free_ports(1)[0]
+    ips = ["127.0.0.2", "127.0.0.3"]
+    started = []
+    try:
+        for k, ip in enumerate(ips):  # pods: one IP each, the same port (--k8s-port)
+            started += start_mock_engines(1, tmp_path / f"e{k}", extra_args=[
+                "--host", ip, "--port", str(engine_port), "--id-prefix", f"e{k}"])
+        api = harness.KubeApiStandIn()
+        await api.start()
+        labels = {"environment": "test", "release": "test", "model": "tiny"}
+        api.put("vllm-0", ips[0], ready=True, labels=labels)
+        api.put("vllm-1", ips[1], ready=False, labels=labels)  # still starting
+        api.put("other", "127.0.0.9", ready=True, labels={"environment": "prod"})  # not selected
+        port, pull = free_ports(2)
+        argv = [*_substitute(CHART_K8S_ARGS, {"8000": str(port)}), "--k8s-port", str(engine_port),
+                "--routing-logic", "kvaware", "--smetric-route-url", "tcp://127.0.0.1:*",
+                "--smetric-metrics-port", "0", "--lmcache-controller-port", str(pull),
+                "--lmcache-controller-reply-port", str(free_ports(1)[0]),
+                "--lmcache-controller-heartbeat-port", str(free_ports(1)[0]), "--smetric-lmcache-host", "127.0.0.1"]
+        async with running_router(argv, k8s_api_client=harness.kube_api_client(api.url)) as router, \
+                aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{router.port}"
+            await until(lambda: router.routable() == ["vllm-0"], what="ready pod routable")
+            assert router.controller.has_instance("vllm-1")  # indexed already, not routed
+            assert not router.controller.has_instance("other")
+            h = await complete(http, url, "hello", {})
+            assert h["X-SMetric-Instance"] == "vllm-0"
+            api.put("vllm-1", ips[1], ready=True, labels=labels)
+            await until(lambda: sorted(router.routable()) == ["vllm-0", "vllm-1"], what="second pod ready")
+            async with http.get(f"{url}/engines") as r:
+                assert sorted(e["engine_id"] for e in await r.json()) == ["vllm-0", "vllm-1"]
+            api.delete("vllm-0")
+            await until(lambda: router.routable() == ["vllm-1"], what="deleted pod out")
+            assert not router.controller.has_instance("vllm-0")
+            for _ in range(3):
+                assert (await complete(http, url, "hello again", {}))["X-SMetric-Instance"] == "vllm-1"
+            api.put("vllm-1", ips[1], ready=True, labels=labels, terminating=True)
+            await until(lambda: router.routable() == [], what="terminating pod out")
+            async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as r:
+                assert r.status == 503
+            assert any("watch=true" in q for q in api.requests)
+            assert all("labelSelector=environment%3Dtest%2Crelease%3Dtest" in q for q in api.requests)
+        await api.close()
+    finally:
+        for g in {id(g): g for _, g in started}.values():
+            g.stop()
