@@ -86,7 +86,7 @@ class IndexerHttp:
             raise QueryError(f"body over {MAX_BODY_BYTES} bytes", 413) from None
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             raise QueryError("the body must be a JSON object") from None
         if not isinstance(body, dict):
             raise QueryError("the body must be a JSON object")

@@ -226,3 +226,184 @@ class LMCacheWorkerStandIn:
 
 def encode_json(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
+
+
+# ---- index APIs: agreement with route, and hostile input ------------------------------------------
+def seed_index(app: Any, rng: Any, *, sessions: int = 24, turns: int = 4) -> list[list[int]]:
+    """Fill ``app``'s index with agent sessions spread over its instances, on every tier (GPU blocks,
+    LMCache chunks, global chunks), and return prompts to ask about: each session's history, its
+    next turn, and unseen prompts. Tokens are random ids (the hash space does not care)."""
+    from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
+
+    hs, index = app.hashing, app.index
+    ids = index.instances
+    shared = [rng.randrange(1, 50_000) for _ in range(600)]  # a system prompt every session shares
+    prompts: list[list[int]] = []
+    for s in range(sessions):
+        toks = list(shared)
+        for _turn in range(turns):
+            toks += [rng.randrange(1, 50_000) for _ in range(rng.randrange(100, 700))]
+        iid = ids[s % len(ids)]
+        tier = s % 3  # GPU tier, LMCache local tier, both (and the global tier for some)
+        if tier in (0, 2):
+            cut = len(toks) * rng.choice((1, 2, 3)) // 3
+            index.gpu_stored_hashes(iid, fast_chain(toks[:cut], hs.block_size, root=hs.fast_root))
+        chunks = lmcache_chunk_chain(toks, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)
+        if tier in (1, 2):
+            index.lmcache_admit(iid, chunks[: rng.randrange(1, len(chunks) + 1)])
+        if s % 4 == 0:
+            index.global_stored(chunks[: len(chunks) // 2])
+        prompts += [toks, toks + [rng.randrange(1, 50_000) for _ in range(300)],
+                    [rng.randrange(1, 50_000) for _ in range(rng.randrange(50, 2000))]]
+    return prompts
+
+
+async def indexer_agreement(route_url: str, http_url: str, grpc_port: int | None, model: str,
+                            prompts: list[list[int]], block_size: int, tokenize_key: Any = None) -> dict[str, Any]:
+    """Ask each API about each prompt, then route it on the same index; count agreements.
+
+    HTTP (Dynamo shape): the decision's ``best_local_hit_tokens`` is the largest ``cpu`` over
+    instances, its ``local_hit_tokens`` the chosen instance's ``cpu``, its ``global_hit_tokens`` the
+    ``global``; the RFC shape says the same; GetPodScores' score of each pod is its ``cpu`` in
+    blocks. ``tokenize_key`` maps a prompt to the text GetPodScores is given (its tokenizer must map
+    it back to the same ids)."""
+    import aiohttp
+
+    from smetric_lmc.client import AsyncRouteClient
+
+    client = AsyncRouteClient(route_url, timeout_s=10.0)
+    stub = pb2 = channel = None
+    if grpc_port:
+        import grpc
+
+        from smetric_lmc.controller.indexer_grpc import load_proto
+
+        pb2, pb2_grpc = load_proto()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb2_grpc.IndexerServiceStub(channel)
+    agree = {"http": 0, "rfc": 0, "grpc": 0, "n": 0, "holders_max": 0}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for k, toks in enumerate(prompts):
+                async with http.post(f"{http_url}/query", json={"token_ids": toks, "model_name": model}) as r:
+                    dyn = (await r.json())["instances"]
+                async with http.post(f"{http_url}/query", json={"token_ids": toks, "model": model}) as r:
+                    rfc = (await r.json())["default"]
+                scores = None
+                if stub is not None:
+                    reply = await stub.GetPodScores(pb2.GetPodScoresRequest(  # type: ignore[union-attr]
+                        prompt=tokenize_key(toks), model_name=model), timeout=10)
+                    scores = {s.pod: s.score for s in reply.scores}
+                d = await client.route(f"agree-{k}", model=model, token_ids=toks, turn=1)
+                cpu = {i: v["cpu"] for i, v in dyn.items()}
+                agree["holders_max"] = max(agree["holders_max"], sum(1 for v in cpu.values() if v))
+                ok = (d.instance_id in cpu and d.local_hit_tokens == cpu[d.instance_id]
+                      and d.best_local_hit_tokens == max(cpu.values())
+                      and all(v["global"] == d.global_hit_tokens for v in dyn.values()))
+                agree["http"] += ok
+                agree["rfc"] += ok and {i: v["CPU"] for i, v in rfc.items()} == cpu
+                if scores is not None:
+                    agree["grpc"] += scores.keys() == cpu.keys() and all(
+                        scores[i] * block_size == cpu[i] for i in cpu)
+                agree["n"] += 1
+                await client.done(f"agree-{k}", instance_id=d.instance_id, prompt_tokens=len(toks))
+    finally:
+        await client.close()
+        if channel is not None:
+            await channel.close()
+    return agree
+
+
+def hostile_http_bodies(max_query_tokens: int) -> list[tuple[str, str, bytes, int]]:
+    """(name, path, body, expected status) for the HTTP index API."""
+    big = max_query_tokens + 1
+    return [
+        ("empty body", "/query", b"", 400),
+        ("not json", "/query", b"{token_ids: [1,2", 400),
+        ("json array", "/query", b"[1, 2, 3]", 400),
+        ("json string", "/query", b'"query"', 400),
+        ("no token_ids", "/query", b'{"model_name": "m"}', 400),
+        ("token_ids string", "/query", b'{"model_name": "m", "token_ids": "1 2 3"}', 400),
+        ("token_ids floats", "/query", b'{"model_name": "m", "token_ids": [1.5, 2]}', 400),
+        ("token_ids negative", "/query", b'{"model_name": "m", "token_ids": [-1]}', 400),
+        ("token_ids over u32", "/query", b'{"model_name": "m", "token_ids": [4294967296]}', 400),
+        ("token_ids nested", "/query", b'{"model_name": "m", "token_ids": [[1], {"a": 2}]}', 400),
+        ("token_ids bools", "/query", b'{"model_name": "m", "token_ids": [true, false]}', 400),
+        ("model int", "/query", b'{"model_name": 7, "token_ids": [1]}', 400),
+        ("model missing", "/query", b'{"token_ids": [1]}', 400),
+        ("lora wrong type", "/query", b'{"model_name": "m", "lora_name": [1], "token_ids": [1]}', 400),
+        ("cache_salt", "/query", b'{"model_name": "m", "cache_salt": "s", "token_ids": [1]}', 400),
+        ("instance_id object", "/query", b'{"model_name": "m", "instance_id": {}, "token_ids": [1]}', 400),
+        ("too many tokens", "/query", b'{"model_name": "m", "token_ids": [' + b",".join([b"1"] * big) + b"]}", 413),
+        ("body over 8 MiB", "/query", b'{"model_name": "m", "token_ids": [' + b"1," * (5 << 20) + b"1]}", 413),
+        ("deep nesting", "/query", b"[" * 100_000 + b"]" * 100_000, 400),
+        ("hashes missing", "/query_by_hash", b'{"model_name": "m"}', 400),
+        ("hashes string", "/query_by_hash", b'{"model_name": "m", "block_hashes": "abc"}', 400),
+        ("hashes over u64", "/query_by_hash", b'{"model_name": "m", "block_hashes": [18446744073709551616]}', 400),
+        ("too many hashes", "/query_by_hash",
+         b'{"model_name": "m", "block_hashes": [' + b",".join([b"1"] * big) + b"]}", 413),
+    ]
+
+
+async def hostile_http(http_url: str, max_query_tokens: int) -> list[tuple[str, int, int]]:
+    """Send :func:`hostile_http_bodies`; (name, expected, got) for each."""
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession() as http:
+        for name, path, body, expected in hostile_http_bodies(max_query_tokens):
+            try:
+                async with http.post(f"{http_url}{path}", data=body,
+                                     headers={"Content-Type": "application/json"}) as r:
+                    got = r.status
+                    if got < 500:
+                        payload = await r.json(content_type=None)
+                        assert isinstance(payload, dict) and payload.get("error"), payload
+            except aiohttp.ClientError:
+                got = -1  # the server dropped the connection
+            out.append((name, expected, got))
+    return out
+
+
+async def hostile_grpc(port: int, max_query_tokens: int) -> list[tuple[str, str, str]]:
+    """Call GetPodScores with bad input as a grpcio client would; (name, expected code, got code)."""
+    import grpc
+
+    from smetric_lmc.controller.indexer_grpc import MAX_CHARS_PER_TOKEN, MAX_MESSAGE_BYTES, load_proto
+
+    pb2, pb2_grpc = load_proto()
+    out = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.max_send_message_length", 4 * MAX_MESSAGE_BYTES)]) as ch:
+        stub = pb2_grpc.IndexerServiceStub(ch)
+        over = "x" * (max_query_tokens * MAX_CHARS_PER_TOKEN + 1)
+        cases = [
+            ("empty prompt", pb2.GetPodScoresRequest(prompt="", model_name="m"), "INVALID_ARGUMENT"),
+            ("empty model", pb2.GetPodScoresRequest(prompt="hello", model_name=""), "INVALID_ARGUMENT"),
+            ("prompt over the limit", pb2.GetPodScoresRequest(prompt=over, model_name="m"), "INVALID_ARGUMENT"),
+            ("message over 8 MiB", pb2.GetPodScoresRequest(prompt="y" * (MAX_MESSAGE_BYTES + 1), model_name="m"),
+             "RESOURCE_EXHAUSTED"),
+            ("unknown pods", pb2.GetPodScoresRequest(prompt="1 2 3", model_name="m", pod_identifiers=["nope"] * 1000),
+             "OK"),
+        ]
+        for name, req, expected in cases:
+            try:
+                await stub.GetPodScores(req, timeout=10)
+                got = "OK"
+            except grpc.aio.AioRpcError as exc:
+                got = exc.code().name
+            out.append((name, expected, got))
+        # bytes that are no GetPodScoresRequest at all, on the method's path
+        raw = ch.unary_unary("/indexer.v1.IndexerService/GetPodScores",
+                             request_serializer=None, response_deserializer=None)
+        # garbage does not parse; a field of the wrong wire type is skipped as unknown by protobuf,
+        # leaving an empty prompt: both INVALID_ARGUMENT
+        for name, payload, expected in (("garbage bytes", b"\xff\xfe\x00garbage", "INVALID_ARGUMENT"),
+                                        ("wrong wire types", b"\x0d\x01\x02\x03\x04", "INVALID_ARGUMENT")):
+            try:
+                await raw(payload, timeout=10)
+                got = "OK"
+            except grpc.aio.AioRpcError as exc:
+                got = exc.code().name
+            out.append((name, expected, got))
+    return out
