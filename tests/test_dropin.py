@@ -11,7 +11,6 @@ messages are sent from PUSH / DEALER sockets, encoded by ``controller/lmcache_pr
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import os
@@ -25,7 +24,6 @@ import pytest
 from smetric_lmc.dropin import harness
 from smetric_lmc.dropin.args import ArgsError, build_parser
 from smetric_lmc.dropin.router import DropinRouter, build_config
-from smetric_lmc.hashing import lmcache_chunk_chain
 from smetric_lmc.mock_engine.stack import start_mock_engines
 from smetric_lmc.workers.launch import free_ports
 
@@ -97,24 +95,6 @@ async def running_router(argv: list[str], **kw: Any) -> AsyncIterator[DropinRout
         await router.close()
 
 
-async def until(cond: Any, timeout: float = 15.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout} s")
-        await asyncio.sleep(0.02)
-
-
-async def complete(http: aiohttp.ClientSession, url: str, prompt: str, headers: dict[str, str]) -> dict[str, str]:
-    async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
-                         headers=headers) as r:
-        body = await r.json()
-        assert r.status == 200, body
-        assert body["choices"], body
-        return dict(r.headers)
-
-
 @pytest.fixture
 def mock_engines(tmp_path: Path) -> Any:
     started = start_mock_engines(2, tmp_path, extra_args=["--speed", "50"])
@@ -145,60 +125,38 @@ async def test_chart_argument_list_runs_router_on_mock_engines(mock_engines: lis
         assert engines[0]["serving_models"] == ["tiny"]
         async with http.get(f"{url}/v1/models") as r:
             assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
-        await until(lambda: sorted(router.routable()) == ["pod-a", "pod-b"], what="engines routable")
+        await harness.until(lambda: sorted(router.routable()) == ["pod-a", "pod-b"], what="engines routable")
 
-        # LMCache worker messages on the chart's pull port change the decisions: a follow-up first
-        # lands anywhere (nothing indexed), then on the instance whose LMCache worker admitted its
-        # chunks. (The first route leaves a pending credit for its prompt on the instance it chose,
-        # so the admitted prompt extends it past that credit.)
-        base = "".join(f"line {k} of a long shared agent context\n" for k in range(40))
-        prompt = base + "".join(f"turn {k}: tool output and the agent's reply\n" for k in range(30))
-        async with http.post(f"{mock_engines[0].http_url}/tokenize", json={"model": "tiny", "prompt": prompt}) as r:
-            tokens = (await r.json())["tokens"]
-        hs = router.controller.hashing
-        chunks = lmcache_chunk_chain(tokens, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)
-        assert len(chunks) * hs.chunk_size > len(base)  # past the first route's pending credit
-        follow = {"X-SMetric-Turn": "1"}
-        before = await complete(http, url, base, follow)
-        assert before["X-SMetric-Reason"] != "sticky" and before["X-SMetric-Local-Hit"] == "0"
-        holder = "pod-a" if before["X-SMetric-Instance"] == "pod-b" else "pod-b"
+        # LMCache worker messages on the chart's pull port change the decisions
+        got = await harness.lmcache_scenario(router, http, url, mock_engines[0].http_url,
+                                             f"tcp://127.0.0.1:{pull}", f"tcp://127.0.0.1:{reply}")
+        assert got["registered"] == "RegisterRetMsg"
+        assert got["chunks"] * got["chunk_size"] > len(got["prompt"]) * 4 // 7  # past the first route's credit
+        assert got["before"]["X-SMetric-Local-Hit"] == "0" and got["before"]["X-SMetric-Reason"] != "sticky"
+        assert {h["X-SMetric-Instance"] for h in got["after"]} == {got["holder"]}
+        assert {h["X-SMetric-Reason"] for h in got["after"]} == {"sticky"}
+        assert got["moved"]
+        holder = got["holder"]
         other = "pod-a" if holder == "pod-b" else "pod-b"
 
-        worker = harness.LMCacheWorkerStandIn(f"tcp://127.0.0.1:{pull}", f"tcp://127.0.0.1:{reply}", holder)
-        try:
-            reg = await worker.register()
-            assert type(reg).__name__ == "RegisterRetMsg"
-            admitted = router.controller.index.stats["lmcache_admitted"]
-            await worker.admit(chunks)
-            await until(lambda: router.controller.index.stats["lmcache_admitted"] >= admitted + len(chunks),
-                        what="admits indexed")
-            after = [await complete(http, url, prompt, follow) for _ in range(3)]
-            assert {h["X-SMetric-Instance"] for h in after} == {holder}
-            assert {h["X-SMetric-Reason"] for h in after} == {"sticky"}
-            assert int(after[0]["X-SMetric-Local-Hit"]) == len(chunks) * hs.chunk_size
-
-            # the Dynamo / Mooncake HTTP query and llm-d GetPodScores see what route saw
-            async with http.post(f"http://127.0.0.1:{http_api}/query",
-                                 json={"token_ids": tokens, "model_name": "tiny"}) as r:
-                answer = await r.json()
-            assert answer["instances"][holder]["cpu"] == len(chunks) * hs.chunk_size
-            assert answer["instances"][holder]["gpu"] < answer["instances"][holder]["cpu"]
-            if "--smetric-indexer-grpc-port" in argv:
-                scores = await _pod_scores(grpc_api, prompt)
-                assert scores[holder] == answer["instances"][holder]["cpu"] / hs.block_size
-                assert scores[other] == answer["instances"][other]["cpu"] / hs.block_size < scores[holder]
-
-            # evicted from the holder: the follow-up no longer sticks there for its chunks
-            await worker.admit(chunks, evict=True)
-            await until(lambda: router.controller.index.lookup([], chunks).lmcache_chunks == [0, 0],
-                        what="evicts indexed")
-        finally:
-            worker.close()
+        # the Dynamo / Mooncake HTTP query and llm-d GetPodScores (tokenizing with an engine's
+        # /tokenize) answer from the same index: the chunks are evicted again by now, so the
+        # holder keeps only the pending credit of the routes above, in whole blocks
+        async with http.post(f"http://127.0.0.1:{http_api}/query",
+                             json={"token_ids": got["tokens"], "model_name": "tiny"}) as r:
+            answer = await r.json()
+        bs = router.controller.hashing.block_size
+        assert answer["instances"][holder]["cpu"] == len(got["tokens"]) // bs * bs
+        assert answer["instances"][holder]["gpu"] == 0
+        if "--smetric-indexer-grpc-port" in argv:
+            scores = await _pod_scores(grpc_api, got["prompt"])
+            assert scores[holder] == answer["instances"][holder]["cpu"] / bs
+            assert scores[other] == answer["instances"][other]["cpu"] / bs < scores[holder]
 
         # session headers as the peers spell them: the second request of a session is a follow-up
         for header in ("x-user-id", "x-dynamo-session-id", "X-SMG-Routing-Key"):
-            first = await complete(http, url, f"{header} session prompt", {header: f"s-{header}"})
-            second = await complete(http, url, f"{header} session prompt, longer", {header: f"s-{header}"})
+            first = await harness.complete(http, url, f"{header} session prompt", {header: f"s-{header}"})
+            second = await harness.complete(http, url, f"{header} session prompt, longer", {header: f"s-{header}"})
             assert (first["X-SMetric-Turn"], second["X-SMetric-Turn"]) == ("0", "1"), header
 
         async with http.get(f"{url}/metrics") as r:
@@ -251,22 +209,23 @@ async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
         async with running_router(argv, k8s_api_client=harness.kube_api_client(api.url)) as router, \
                 aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{router.port}"
-            await until(lambda: router.routable() == ["vllm-0"], what="ready pod routable")
-            assert router.controller.has_instance("vllm-1")  # indexed already, not routed
+            # the discovery thread hands pods over one by one: wait for both
+            await harness.until(lambda: router.controller.has_instance("vllm-1") and router.routable() == ["vllm-0"],
+                                what="ready pod routable, starting pod indexed but not routed")
             assert not router.controller.has_instance("other")
-            h = await complete(http, url, "hello", {})
+            h = await harness.complete(http, url, "hello", {})
             assert h["X-SMetric-Instance"] == "vllm-0"
             api.put("vllm-1", ips[1], ready=True, labels=labels)
-            await until(lambda: sorted(router.routable()) == ["vllm-0", "vllm-1"], what="second pod ready")
+            await harness.until(lambda: sorted(router.routable()) == ["vllm-0", "vllm-1"], what="second pod ready")
             async with http.get(f"{url}/engines") as r:
                 assert sorted(e["engine_id"] for e in await r.json()) == ["vllm-0", "vllm-1"]
             api.delete("vllm-0")
-            await until(lambda: router.routable() == ["vllm-1"], what="deleted pod out")
+            await harness.until(lambda: router.routable() == ["vllm-1"], what="deleted pod out")
             assert not router.controller.has_instance("vllm-0")
             for _ in range(3):
-                assert (await complete(http, url, "hello again", {}))["X-SMetric-Instance"] == "vllm-1"
+                assert (await harness.complete(http, url, "hello again", {}))["X-SMetric-Instance"] == "vllm-1"
             api.put("vllm-1", ips[1], ready=True, labels=labels, terminating=True)
-            await until(lambda: router.routable() == [], what="terminating pod out")
+            await harness.until(lambda: router.routable() == [], what="terminating pod out")
             async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as r:
                 assert r.status == 503
             assert any("watch=true" in q for q in api.requests)

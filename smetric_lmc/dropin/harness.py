@@ -407,3 +407,64 @@ async def hostile_grpc(port: int, max_query_tokens: int) -> list[tuple[str, str,
                 got = exc.code().name
             out.append((name, expected, got))
     return out
+
+
+# ---- scenarios on a running router ----------------------------------------------------------------
+async def until(cond: Any, timeout: float = 15.0, what: str = "condition") -> float:
+    """Wait for ``cond()``; seconds waited (AssertionError past ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not cond():
+        if loop.time() - t0 > timeout:
+            raise AssertionError(f"{what}: not reached in {timeout} s")
+        await asyncio.sleep(0.005)
+    return loop.time() - t0
+
+
+async def complete(http: Any, url: str, prompt: str, headers: Mapping[str, str], model: str = "tiny") -> dict[str, str]:
+    """One ``/v1/completions`` through the router; its response headers (AssertionError unless 200)."""
+    async with http.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2},
+                         headers=dict(headers)) as r:
+        body = await r.json()
+        assert r.status == 200 and body.get("choices"), body
+        return dict(r.headers)
+
+
+async def lmcache_scenario(router: Any, http: Any, url: str, engine_url: str, pull_url: str,
+                           reply_url: str) -> dict[str, Any]:
+    """LMCache worker messages on the router's pull / reply ports moving a follow-up's decision.
+
+    A follow-up first lands anywhere (nothing indexed); one instance's LMCache worker then admits
+    the chunks of a longer prompt extending it, and the same follow-up asked again goes there.
+    (The first route leaves a pending credit for its own prompt on the instance it chose, so the
+    admitted prompt extends past that credit.) Returns what happened, for the caller to judge."""
+    from smetric_lmc.hashing import lmcache_chunk_chain
+
+    base = "".join(f"line {k} of a long shared agent context\n" for k in range(40))
+    prompt = base + "".join(f"turn {k}: tool output and the agent's reply\n" for k in range(30))
+    async with http.post(f"{engine_url}/tokenize", json={"model": "tiny", "prompt": prompt}) as r:
+        tokens = (await r.json())["tokens"]
+    hs = router.controller.hashing
+    chunks = lmcache_chunk_chain(tokens, hs.chunk_size, root=hs.lmcache_root, algo=hs.lmcache_algo)
+    follow = {"X-SMetric-Turn": "1"}
+    before = await complete(http, url, base, follow)
+    ids = sorted(i.id for i in router.gateway.instances)
+    holder = next(i for i in ids if i != before["X-SMetric-Instance"])
+    worker = LMCacheWorkerStandIn(pull_url, reply_url, holder)
+    index = router.controller.index
+    try:
+        registered = type(await worker.register()).__name__
+        admitted = index.stats["lmcache_admitted"]
+        await worker.admit(chunks)
+        await until(lambda: index.stats["lmcache_admitted"] >= admitted + len(chunks), what="admits indexed")
+        after = [await complete(http, url, prompt, follow) for _ in range(3)]
+        await worker.admit(chunks, evict=True)
+        await until(lambda: not any(index.lookup([], chunks).lmcache_chunks), what="evicts indexed")
+    finally:
+        worker.close()
+    return {"before": before, "after": after, "holder": holder, "tokens": tokens, "prompt": prompt,
+            "chunks": len(chunks), "chunk_size": hs.chunk_size, "registered": registered,
+            "moved": before["X-SMetric-Local-Hit"] == "0" and before["X-SMetric-Reason"] != "sticky"
+            and {h["X-SMetric-Instance"] for h in after} == {holder}
+            and {h["X-SMetric-Reason"] for h in after} == {"sticky"}
+            and all(int(h["X-SMetric-Local-Hit"]) == len(chunks) * hs.chunk_size for h in after)}
