@@ -81,7 +81,8 @@ class DropinController(ControllerApp):
         if not ready:
             self._not_ready.add(inst.id)
         self._register(inst.id, routable=ready and not self._liveness_enforced)
-        self._watch_metrics(inst)
+        if ready:  # a starting engine's /metrics is not polled: it would only trip its breaker
+            self._watch_metrics(inst)
         self.membership_changes["added"] += 1
         log.info("instance added instance=%s endpoint=%s ready=%s", inst.id, inst.http, ready)
         return True
@@ -94,8 +95,7 @@ class DropinController(ControllerApp):
         self.membership_changes["ready"] += 1
         if not self._liveness_enforced:
             self._register(iid)
-        elif self.poller is not None:
-            self.poller.probe_now(iid)  # routable once its /metrics answers
+        self._watch_metrics(self.core._instances[iid])  # with liveness: routable once /metrics answers
         log.info("instance ready instance=%s", iid)
 
     def _seen(self, iid: str, *, probe: bool = False) -> None:
