@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 
-from smetric_lmc.config import parse_config
+from smetric_lmc.config import PeerApisConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.dropin import harness
 from smetric_lmc.dropin.args import build_parser
@@ -146,7 +146,7 @@ async def k8s(n_pods: int, workdir: Path) -> tuple[int, float]:
 
 async def index_apis(sessions: int) -> dict[str, Any]:
     http_port, grpc_port = free_ports(2)
-    max_tokens = 8192
+    max_tokens = PeerApisConfig().max_query_tokens  # the shipped bound
     cfg = parse_config({
         "model": "tiny", "hashing": {"block_size": 16},
         "instances": [{"id": f"i{k}", "http": "http://127.0.0.1:9"} for k in range(8)],
