@@ -68,8 +68,8 @@ def step(n: int, total: int, what: str) -> None:
 async def chart_and_lmcache(engines: list[Any]) -> tuple[bool, bool]:
     k8s_list = harness.chart_router_args({})
     build_config(build_parser().parse_args(k8s_list))  # the chart's default k8s list is accepted
-    port, pull, reply, hb = free_ports(4)
-    subs = {"BACKENDS": ",".join(e.http_url for e in engines), "8000": str(port), "9000": str(pull),
+    pull, reply, hb = free_ports(3)
+    subs = {"BACKENDS": ",".join(e.http_url for e in engines), "8000": "0", "9000": str(pull),
             "9001": str(reply), "9002": str(hb)}
     argv = [subs.get(a, a) for a in harness.chart_router_args(STATIC_VALUES)]
     print("  chart args:", " ".join(harness.chart_router_args(STATIC_VALUES)))
@@ -113,8 +113,8 @@ async def k8s(n_pods: int, workdir: Path) -> tuple[int, float]:
             api.put(f"vllm-{k}", ip, ready=True, labels=labels)
         api.put("vllm-starting", "127.0.0.250", ready=False, labels=labels)
         api.put("other-release", "127.0.0.251", ready=True, labels={"environment": "prod"})
-        port, pull, reply, hb = free_ports(4)
-        argv = [*[{"8000": str(port)}.get(a, a) for a in harness.chart_router_args({"routingLogic": "kvaware"})],
+        pull, reply, hb = free_ports(3)
+        argv = [*[{"8000": "0"}.get(a, a) for a in harness.chart_router_args({"routingLogic": "kvaware"})],
                 "--k8s-port", str(engine_port), "--smetric-route-url", "tcp://127.0.0.1:*",
                 "--smetric-metrics-port", "0", "--lmcache-controller-port", str(pull),
                 "--lmcache-controller-reply-port", str(reply), "--lmcache-controller-heartbeat-port", str(hb),
@@ -145,7 +145,6 @@ async def k8s(n_pods: int, workdir: Path) -> tuple[int, float]:
 
 
 async def index_apis(sessions: int) -> dict[str, Any]:
-    http_port, grpc_port = free_ports(2)
     max_tokens = PeerApisConfig().max_query_tokens  # the shipped bound
     cfg = parse_config({
         "model": "tiny", "hashing": {"block_size": 16},
@@ -153,12 +152,13 @@ async def index_apis(sessions: int) -> dict[str, Any]:
         "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
         "load": {"metrics_poll_s": 0, "instance_timeout_s": 0},
         "lmcache": {"enabled": True, "pull_url": "tcp://127.0.0.1:*", "reply_url": "tcp://127.0.0.1:*"},
-        "peer_apis": {"http_port": http_port, "grpc_port": grpc_port, "max_query_tokens": max_tokens},
+        "peer_apis": {"http_port": -1, "grpc_port": -1, "max_query_tokens": max_tokens},
     })
     app = ControllerApp(cfg, enable_metrics_http=False)
     await app.start()
     try:
         assert app.peer_apis is not None and app.peer_apis.grpc is not None
+        http_port, grpc_port = app.peer_apis.http_port, app.peer_apis.grpc.port
 
         async def text_tokens(_model: str, prompt: str) -> list[int]:  # stands in for the model's tokenizer
             return [int(t) for t in prompt.split()]

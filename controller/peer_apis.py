@@ -82,7 +82,7 @@ async def start_peer_apis(core: RouteCore, cfg: PeerApisConfig, tokenize: Tokeni
             runner = web.AppRunner(IndexerHttp(apis.query).app(), access_log=None)
             await runner.setup()
             apis.http_runner = runner
-            site = web.TCPSite(runner, cfg.host, cfg.http_port)
+            site = web.TCPSite(runner, cfg.host, max(cfg.http_port, 0))  # -1: any free port
             await site.start()
             apis.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             log.info("KV-indexer HTTP API (Dynamo / Mooncake RFC) on %s:%d", cfg.host, apis.http_port)
@@ -92,7 +92,7 @@ async def start_peer_apis(core: RouteCore, cfg: PeerApisConfig, tokenize: Tokeni
                 apis._closers.append(tokenize.close)  # type: ignore[attr-defined]
             apis.grpc = IndexerGrpc(apis.query, tokenize)
             try:
-                await apis.grpc.start(cfg.host, cfg.grpc_port)
+                await apis.grpc.start(cfg.host, max(cfg.grpc_port, 0))
             except ImportError as exc:
                 apis.grpc = None
                 log.error("peer_apis.grpc_port set but gRPC is unavailable (%s): pip install 'smetric-lmc[indexer]'",

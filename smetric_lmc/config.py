@@ -214,8 +214,8 @@ class PeerApisConfig(_Cfg):
     """Read-only index queries other stacks already make (controller/peer_apis.py); off by default."""
 
     host: str = "127.0.0.1"
-    http_port: int = 0  # Dynamo standalone indexer / Mooncake KV Indexer RFC HTTP API (0: off)
-    grpc_port: int = 0  # llm-d IndexerService.GetPodScores over gRPC (0: off; needs the `indexer` extra)
+    http_port: int = 0  # Dynamo standalone indexer / Mooncake KV Indexer RFC HTTP API (0: off, -1: any free port)
+    grpc_port: int = 0  # llm-d IndexerService.GetPodScores over gRPC (0: off, -1: any; the `indexer` extra)
     max_query_tokens: int = 262_144  # one query's token ids or hashes (bounds its work on the loop)
 
 

@@ -104,16 +104,18 @@ def mock_engines(tmp_path: Path) -> Any:
 
 
 async def test_chart_argument_list_runs_router_on_mock_engines(mock_engines: list[Any]) -> None:
-    port, pull, reply, hb, http_api, grpc_api = free_ports(6)
-    subs = {"BACKENDS": ",".join(m.http_url for m in mock_engines), "8000": str(port), "9000": str(pull),
-            "9001": str(reply), "9002": str(hb)}
+    pull, reply, hb = free_ports(3)
+    subs = {"BACKENDS": ",".join(m.http_url for m in mock_engines), "8000": "0", "9000": str(pull),
+            "9001": str(reply), "9002": str(hb)}  # port 0: any free port for the router's HTTP
     argv = [*_substitute(CHART_STATIC_ARGS, subs), "--smetric-route-url", "tcp://127.0.0.1:*",
-            "--smetric-metrics-port", "0", "--smetric-indexer-http-port", str(http_api),
+            "--smetric-metrics-port", "0", "--smetric-indexer-http-port", "-1",
             "--smetric-lmcache-host", "127.0.0.1"]
     if importlib.util.find_spec("grpc_tools") is not None:
-        argv += ["--smetric-indexer-grpc-port", str(grpc_api)]
+        argv += ["--smetric-indexer-grpc-port", "-1"]
     async with running_router(argv) as router, aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{router.port}"
+        apis = router.controller.peer_apis
+        http_api, grpc_api = apis.http_port, apis.grpc.port if apis.grpc is not None else 0
         # production-stack's routes: the chart's probes hit /health
         async with http.get(f"{url}/health") as r:
             assert r.status == 200 and (await r.json())["status"] == "healthy"

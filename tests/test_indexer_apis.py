@@ -23,7 +23,6 @@ import pytest
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.dropin import harness
-from smetric_lmc.workers.launch import free_ports
 
 MAX_QUERY_TOKENS = 4096
 HAVE_GRPC = importlib.util.find_spec("grpc") is not None and importlib.util.find_spec("grpc_tools") is not None
@@ -42,7 +41,6 @@ async def text_tokens(_model: str, prompt: str) -> list[int]:
 
 @pytest.fixture
 async def controller() -> AsyncIterator[tuple[ControllerApp, int, int]]:
-    http_port, grpc_port = free_ports(2)
     cfg = parse_config({
         "model": "tiny",
         "hashing": {"block_size": 16},
@@ -50,15 +48,17 @@ async def controller() -> AsyncIterator[tuple[ControllerApp, int, int]]:
         "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
         "load": {"metrics_poll_s": 0, "instance_timeout_s": 0},  # no engines here: all routable
         "lmcache": {"enabled": True, "pull_url": "tcp://127.0.0.1:*", "reply_url": "tcp://127.0.0.1:*"},
-        "peer_apis": {"http_port": http_port, "grpc_port": grpc_port if HAVE_GRPC else 0,
+        "peer_apis": {"http_port": -1, "grpc_port": -1 if HAVE_GRPC else 0,  # -1: any free port
                       "max_query_tokens": MAX_QUERY_TOKENS},
     })
     app = ControllerApp(cfg, enable_metrics_http=False)
     await app.start()
+    grpc_port = 0
     if app.peer_apis.grpc is not None:
         app.peer_apis.grpc.tokenize = text_tokens
+        grpc_port = app.peer_apis.grpc.port
     try:
-        yield app, http_port, grpc_port
+        yield app, app.peer_apis.http_port, grpc_port
     finally:
         await app.close()
 

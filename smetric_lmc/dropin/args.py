@@ -115,8 +115,9 @@ def add_smetric_arguments(p: argparse.ArgumentParser) -> None:
       help="controller YAML for everything the chart does not say (hashing, global store, policy knobs)")
     a("--smetric-route-url", default="tcp://127.0.0.1:5600", help="in-process route socket")
     a("--smetric-metrics-port", type=int, default=9600, help="controller /metrics (0: off)")
-    a("--smetric-indexer-http-port", type=int, default=0, help="Dynamo / Mooncake KV-indexer HTTP API (0: off)")
-    a("--smetric-indexer-grpc-port", type=int, default=0, help="llm-d GetPodScores gRPC API (0: off)")
+    a("--smetric-indexer-http-port", type=int, default=0,
+      help="Dynamo / Mooncake KV-indexer HTTP API (0: off, -1: any free port)")
+    a("--smetric-indexer-grpc-port", type=int, default=0, help="llm-d GetPodScores gRPC API (0: off, -1: any free port)")
     a("--smetric-lmcache-host", default="0.0.0.0", help="address the LMCache controller ports bind")
     a("--smetric-static-ids", default=None,
       help="static: comma-separated instance ids, one per backend (default: the backends' host:port); "
