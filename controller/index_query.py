@@ -17,12 +17,29 @@ flight. Work is bounded by ``max_query_tokens`` (hashing is linear in it) and th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from smetric_lmc.wire import HashChain, RouteRequest, WireError
 
 from .service import RouteCore
+
+#: Queries of more tokens than this are checked and hashed on a thread, not on the event loop.
+OFFLOAD_TOKENS = 16_384
+
+
+def _check_tokens(req: RouteRequest) -> str | None:
+    if not all(type(t) is int and 0 <= t < (1 << 32) for t in req.token_ids or ()):
+        return "token_ids must be integers in [0, 2^32)"
+    return None
+
+
+def _check_hashes(req: RouteRequest) -> str | None:
+    if not all(type(h) is int and 0 <= h < (1 << 64) for h in req.hashes[0].hashes):
+        return "block hashes must be integers in [0, 2^64)"
+    return None
 
 
 class QueryError(ValueError):
@@ -68,31 +85,27 @@ class IndexQuery:
     def block_size(self) -> int:
         return self.core.hashing.block_size
 
-    def by_tokens(self, token_ids: object, model: str, lora_name: str | None = None,
-                  instances: Sequence[str] | None = None) -> Overlap:
+    async def by_tokens(self, token_ids: object, model: str, lora_name: str | None = None,
+                        instances: Sequence[str] | None = None) -> Overlap:
         if not isinstance(token_ids, list):
             raise self._refuse("token_ids must be a list of integers")
         if len(token_ids) > self.max_query_tokens:
             raise self._refuse(f"{len(token_ids)} token ids; at most {self.max_query_tokens} per query", 413)
-        if not all(type(t) is int and 0 <= t < (1 << 32) for t in token_ids):
-            raise self._refuse("token_ids must be integers in [0, 2^32)")
-        return self._run(RouteRequest(request_id="index-query", model=self._model(model, lora_name),
-                                      token_ids=token_ids), instances)
+        req = RouteRequest(request_id="index-query", model=self._model(model, lora_name), token_ids=token_ids)
+        return await self._run(req, len(token_ids), instances, _check_tokens)
 
-    def by_hashes(self, hashes: object, model: str, lora_name: str | None = None,
-                  instances: Sequence[str] | None = None) -> Overlap:
+    async def by_hashes(self, hashes: object, model: str, lora_name: str | None = None,
+                        instances: Sequence[str] | None = None) -> Overlap:
         """``hashes``: our ``fast`` chain at the index's block size (``stats.hashing`` publishes the
         scheme, root and block size; ``smetric_lmc.hashing.fast_chain`` computes it)."""
         if not isinstance(hashes, list):
             raise self._refuse("block hashes must be a list of integers")
         if len(hashes) * self.block_size > self.max_query_tokens:
             raise self._refuse(f"{len(hashes)} block hashes; at most {self.max_query_tokens // self.block_size}", 413)
-        if not all(type(h) is int and 0 <= h < (1 << 64) for h in hashes):
-            raise self._refuse("block hashes must be integers in [0, 2^64)")
-        root = self.core.fast_root_for(self._model(model, lora_name))
-        chain = HashChain(scheme="fast", block_size=self.block_size, hashes=hashes, root=root)
-        return self._run(RouteRequest(request_id="index-query", model=self._model(model, lora_name),
-                                      hashes=[chain]), instances)
+        model = self._model(model, lora_name)
+        chain = HashChain(scheme="fast", block_size=self.block_size, hashes=hashes, root=self.core.fast_root_for(model))
+        return await self._run(RouteRequest(request_id="index-query", model=model, hashes=[chain]),
+                               len(hashes) * self.block_size, instances, _check_hashes)
 
     def _model(self, model: object, lora_name: object) -> str:
         if not isinstance(model, str) or not model:
@@ -102,11 +115,21 @@ class IndexQuery:
         # A LoRA adapter's blocks chain from the adapter's root: the index maps the name to it.
         return lora_name or model
 
-    def _run(self, req: RouteRequest, instances: Sequence[str] | None) -> Overlap:
+    async def _run(self, req: RouteRequest, size: int, instances: Sequence[str] | None,
+                   check: Callable[[RouteRequest], str | None]) -> Overlap:
+        # Checking and hashing are linear in the query: past OFFLOAD_TOKENS they run on a thread
+        # (they touch no controller state), so the loop keeps serving routes and events meanwhile.
         try:
-            fast, chunks, n_tokens = self.core.route_inputs(req)
+            if size > OFFLOAD_TOKENS:
+                why, prepared = await asyncio.to_thread(self._prepare, req, check)
+            else:
+                why, prepared = self._prepare(req, check)
         except WireError as exc:
             raise self._refuse(str(exc)) from None
+        if why is not None:
+            raise self._refuse(why)
+        assert prepared is not None
+        fast, chunks, n_tokens = prepared
         index = self.core.index
         found = index.lookup(fast, chunks)
         self.counters["queries"] += 1
@@ -123,6 +146,10 @@ class IndexQuery:
             g = gpu[k] * bs
             hits.append(TierHit(iid, g, max(g, lmc[k] * cs, local[k]), glob, stale[k]))
         return Overlap(bs, n_tokens, hits)
+
+    def _prepare(self, req: RouteRequest, check: Callable[[RouteRequest], str | None]) -> tuple[str | None, Any]:
+        why = check(req)
+        return (why, None) if why is not None else (None, self.core.route_inputs(req))
 
     def _refuse(self, message: str, status: int = 400) -> QueryError:
         self.counters["refused"] += 1

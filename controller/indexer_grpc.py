@@ -132,7 +132,7 @@ class IndexerGrpc:
             log.warning("GetPodScores: tokenizing failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot tokenize the prompt: {exc}")
         try:
-            ov = self.query.by_tokens(tokens, model, None, list(request.pod_identifiers) or None)
+            ov = await self.query.by_tokens(tokens, model, None, list(request.pod_identifiers) or None)
         except QueryError as exc:
             return await self._invalid(context, str(exc))
         bs = ov.block_size

@@ -116,11 +116,11 @@ class IndexerHttp:
                 key = next((k for k in ("block_hashes", "seq_hashes", "block_hash") if k in body), None)
                 if key is None:
                     raise QueryError("query_by_hash needs block_hashes (or seq_hashes)")
-                ov = self.query.by_hashes(body[key], model, lora, instances)  # type: ignore[arg-type]
+                ov = await self.query.by_hashes(body[key], model, lora, instances)  # type: ignore[arg-type]
             else:
                 if "token_ids" not in body:
                     raise QueryError("query needs token_ids")
-                ov = self.query.by_tokens(body["token_ids"], model, lora, instances)  # type: ignore[arg-type]
+                ov = await self.query.by_tokens(body["token_ids"], model, lora, instances)  # type: ignore[arg-type]
         except QueryError as exc:
             return web.json_response({"error": str(exc)}, status=exc.status)
         if rfc:
