@@ -236,3 +236,32 @@ async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
     finally:
         for g in {id(g): g for _, g in started}.values():
             g.stop()
+
+
+async def test_root_path_serves_the_same_routes() -> None:
+    pull, reply, hb = free_ports(3)
+    argv = ["--port", "0", "--service-discovery", "static", "--static-backends", "http://127.0.0.1:9",
+            "--static-models", "m", "--root-path", "/vllm", "--lmcache-controller-port", str(pull),
+            "--lmcache-controller-reply-port", str(reply), "--lmcache-controller-heartbeat-port", str(hb),
+            "--smetric-lmcache-host", "127.0.0.1", "--smetric-metrics-port", "0",
+            "--smetric-route-url", "tcp://127.0.0.1:*"]
+    async with running_router(argv) as router, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{router.port}"
+        for path in ("/vllm/health", "/health", "/vllm/version?x=1"):
+            async with http.get(base + path) as r:
+                assert r.status == 200, path
+        async with http.get(base + "/vllm/engines") as r:
+            assert [e["engine_id"] for e in await r.json()] == ["127.0.0.1:9"]
+
+
+def test_cli_takes_the_chart_list() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "smetric_lmc.cli", "router", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--lmcache-controller-heartbeat-port" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "smetric_lmc.cli", "router", *CHART_K8S_ARGS, "--routing-logic",
+                          "disaggregated_prefill"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "disaggregated prefill routing is not supported" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -31,7 +31,14 @@ import msgspec
 from aiohttp import web
 
 from smetric_lmc.config import Config, InstanceConfig, LMCacheConfig, load_config, parse_config
-from smetric_lmc.dropin.args import ArgsError, build_parser, csv, ignored, policy_for
+from smetric_lmc.dropin.args import (
+    ArgsError,
+    add_production_stack_arguments,
+    add_smetric_arguments,
+    csv,
+    ignored,
+    policy_for,
+)
 from smetric_lmc.dropin.membership import DropinController, DropinGateway
 from smetric_lmc.policy import POLICY_NAMES
 
@@ -240,15 +247,14 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     """``smetric router``: takes production-stack's router arguments."""
     p = subparsers.add_parser(
         "router", help="drop-in for vLLM production-stack's router (same arguments)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("router_args", nargs=argparse.REMAINDER, help="production-stack router arguments")
+    add_production_stack_arguments(p)
+    add_smetric_arguments(p)
     p.set_defaults(func=run_router)
 
 
-def run_router(ns: argparse.Namespace) -> int:
-    argv = list(ns.router_args)
-    args = build_parser().parse_args(argv)  # exits 2 with argparse's message on a bad list
+def run_router(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper() if args.log_level != "trace" else "DEBUG")
     try:
         router = DropinRouter(args)
