@@ -221,6 +221,12 @@ async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
             await harness.until(lambda: sorted(router.routable()) == ["vllm-0", "vllm-1"], what="second pod ready")
             async with http.get(f"{url}/engines") as r:
                 assert sorted(e["engine_id"] for e in await r.json()) == ["vllm-0", "vllm-1"]
+            # a broken watch stream: discovery re-lists (after a short backoff) and keeps both pods
+            errors = router.discovery.counters["errors"]
+            api.send_raw(b'{"type": "ADDED", "object": {"metadata": \n')
+            await harness.until(lambda: router.discovery.counters["errors"] > errors and router.discovery.healthy,
+                                what="re-listed after a broken watch")
+            assert sorted(router.routable()) == ["vllm-0", "vllm-1"]
             api.delete("vllm-0")
             await harness.until(lambda: router.routable() == ["vllm-1"], what="deleted pod out")
             assert not router.controller.has_instance("vllm-0")

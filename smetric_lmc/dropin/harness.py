@@ -158,6 +158,10 @@ class KubeApiStandIn:
         for q in self._watchers:
             q.put_nowait(event)
 
+    def send_raw(self, line: bytes) -> None:
+        """A line that is no watch event at all (a broken proxy, a truncated write) to every watch."""
+        self._send({"raw": line})
+
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         selector = request.query.get("labelSelector", "")
         self.requests.append(request.path_qs)
@@ -173,7 +177,9 @@ class KubeApiStandIn:
         self._watchers.append(q)
         try:
             while (event := await q.get()) is not None:
-                if _selected(event["object"]["metadata"]["labels"], selector):
+                if "raw" in event:
+                    await resp.write(event["raw"])
+                elif _selected(event["object"]["metadata"]["labels"], selector):
                     await resp.write(json.dumps(event).encode() + b"\n")
         finally:
             self._watchers.remove(q)
