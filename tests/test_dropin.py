@@ -207,7 +207,10 @@ async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
                 "--routing-logic", "kvaware", "--smetric-route-url", "tcp://127.0.0.1:*",
                 "--smetric-metrics-port", "0", "--lmcache-controller-port", str(pull),
                 "--lmcache-controller-reply-port", str(free_ports(1)[0]),
-                "--lmcache-controller-heartbeat-port", str(free_ports(1)[0]), "--smetric-lmcache-host", "127.0.0.1"]
+                "--lmcache-controller-heartbeat-port", str(free_ports(1)[0]), "--smetric-lmcache-host", "127.0.0.1",
+                # the mock engines' KV events (vLLM's protocol): port + 1000, replay port + 1001
+                "--smetric-k8s-kv-events-port", str(engine_port + 1000),
+                "--smetric-k8s-kv-replay-port", str(engine_port + 1001), "--smetric-block-size", "32"]
         async with running_router(argv, k8s_api_client=harness.kube_api_client(api.url)) as router, \
                 aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{router.port}"
@@ -215,8 +218,10 @@ async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
             await harness.until(lambda: router.controller.has_instance("vllm-1") and router.routable() == ["vllm-0"],
                                 what="ready pod routable, starting pod indexed but not routed")
             assert not router.controller.has_instance("other")
-            h = await harness.complete(http, url, "hello", {})
+            h = await harness.complete(http, url, "hello " * 40, {})
             assert h["X-SMetric-Instance"] == "vllm-0"
+            # the pod's vLLM KV events reach the GPU tier
+            await harness.until(lambda: router.controller.index.gpu_blocks_of("vllm-0") > 0, what="GPU tier")
             api.put("vllm-1", ips[1], ready=True, labels=labels)
             await harness.until(lambda: sorted(router.routable()) == ["vllm-0", "vllm-1"], what="second pod ready")
             async with http.get(f"{url}/engines") as r:

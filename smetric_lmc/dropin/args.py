@@ -124,6 +124,9 @@ def add_smetric_arguments(p: argparse.ArgumentParser) -> None:
       "an LMCache worker is credited to the instance whose id equals its lmcache_instance_id")
     a("--smetric-static-kv-events", default=None,
       help="static: comma-separated vLLM KV-event endpoints, one per backend (GPU tier)")
+    a("--smetric-k8s-kv-events-port", type=int, default=0,
+      help="k8s: each pod's vLLM KV-event PUB port (vLLM --kv-events-config endpoint; 0: no GPU tier)")
+    a("--smetric-k8s-kv-replay-port", type=int, default=0, help="k8s: each pod's vLLM KV-event replay port (0: none)")
     a("--smetric-block-size", type=int, default=None, help="engines' vLLM block size (hashing.block_size)")
 
 

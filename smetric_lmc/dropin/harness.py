@@ -117,6 +117,7 @@ class KubeApiStandIn:
         self.pods: dict[str, dict[str, Any]] = {}
         self.rv = 100
         self._watchers: list[asyncio.Queue[dict[str, Any] | None]] = []
+        self._log: list[dict[str, Any]] = []  # every event, so a watch from a resourceVersion replays
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.requests: list[str] = []
@@ -155,6 +156,8 @@ class KubeApiStandIn:
         self._send({"type": "DELETED", "object": pod})
 
     def _send(self, event: dict[str, Any]) -> None:
+        if "raw" not in event:
+            self._log.append(event)
         for q in self._watchers:
             q.put_nowait(event)
 
@@ -175,15 +178,27 @@ class KubeApiStandIn:
         await resp.prepare(request)
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._watchers.append(q)
+        since = int(request.query.get("resourceVersion") or 0)
         try:
+            # as the API server does: a watch from a resourceVersion first gets what came after it
+            for event in [e for e in self._log if _rv(e) > since]:
+                if _selected(event["object"]["metadata"]["labels"], selector):
+                    await resp.write(json.dumps(event).encode() + b"\n")
+                since = _rv(event)
             while (event := await q.get()) is not None:
                 if "raw" in event:
                     await resp.write(event["raw"])
-                elif _selected(event["object"]["metadata"]["labels"], selector):
+                elif _rv(event) > since and _selected(event["object"]["metadata"]["labels"], selector):
                     await resp.write(json.dumps(event).encode() + b"\n")
+        except ConnectionError:
+            pass  # the client went away (a broken stream is re-listed by it)
         finally:
             self._watchers.remove(q)
         return resp
+
+
+def _rv(event: dict[str, Any]) -> int:
+    return int(event["object"]["metadata"]["resourceVersion"])
 
 
 def kube_api_client(url: str) -> Any:

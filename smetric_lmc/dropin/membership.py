@@ -14,6 +14,7 @@ the pod name in the production-stack chart (``LMCACHE_LMCACHE_INSTANCE_ID`` from
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -35,6 +36,7 @@ class DropinController(ControllerApp):
         # lmcache_instance_id -> instance id; an id that names an instance maps to it as well.
         self._lmcache_ids = dict(lmcache_ids or {})
         self.membership_changes = {"added": 0, "ready": 0, "removed": 0}
+        self._closing_subs: set[asyncio.Task[None]] = set()
 
     def resolve_lmcache(self, lmcache_id: str, _worker_id: int) -> str | None:
         iid = self._lmcache_ids.get(lmcache_id, lmcache_id)
@@ -81,6 +83,8 @@ class DropinController(ControllerApp):
         if not ready:
             self._not_ready.add(inst.id)
         self._register(inst.id, routable=ready and not self._liveness_enforced)
+        if inst.kv_events:
+            self._subscribe(inst)
         if ready:  # a starting engine's /metrics is not polled: it would only trip its breaker
             self._watch_metrics(inst)
         self.membership_changes["added"] += 1
@@ -115,6 +119,11 @@ class DropinController(ControllerApp):
         self._open.pop(iid, None)
         getattr(self, "_not_ready", set()).discard(iid)
         self.load.remove_instance(iid)
+        sub = self.subscribers.pop(iid, None)
+        if sub is not None:  # its run() ends once closed, so its supervisor does not restart it
+            task = asyncio.get_running_loop().create_task(sub.close())
+            self._closing_subs.add(task)
+            task.add_done_callback(self._closing_subs.discard)
         self.index.drop_instance(iid)
         self.core._instances.pop(iid, None)
         self.core.set_silent(self._known - self._routable)
@@ -125,6 +134,16 @@ class DropinController(ControllerApp):
         self.membership_changes["removed"] += 1
         log.info("instance removed instance=%s", iid)
         return True
+
+    def _subscribe(self, inst: InstanceConfig) -> None:
+        """vLLM KV events of a joining engine (its GPU tier), opened as the controller opens them at
+        start: ``_start_subscribers`` run over this one instance."""
+        cfg = self.cfg
+        self.cfg = msgspec.structs.replace(cfg, instances=[inst])
+        try:
+            self._start_subscribers()
+        finally:
+            self.cfg = cfg
 
     def _watch_metrics(self, inst: InstanceConfig) -> None:
         if self.cfg.load.metrics_poll_s <= 0:

@@ -175,7 +175,10 @@ class DropinRouter:
         url = pod.url(self.args.k8s_port)
         if url is None:
             return  # no IP yet: nothing to index or route
-        inst = InstanceConfig(id=pod.name, http=url, lmcache_instance_id=pod.name)
+        ev, rp = self.args.smetric_k8s_kv_events_port, self.args.smetric_k8s_kv_replay_port
+        inst = InstanceConfig(id=pod.name, http=url, lmcache_instance_id=pod.name,
+                              kv_events=f"tcp://{pod.ip}:{ev}" if ev else None,
+                              replay=f"tcp://{pod.ip}:{rp}" if ev and rp else None)
         if self.controller.has_instance(pod.name) and not pod.ready and pod.name in self.gateway._by_id:
             self.on_gone(pod.name)  # was Ready, is not any more: out of routing (its index goes too)
         self.models[pod.name] = pod.model or self.cfg.model
