@@ -100,12 +100,13 @@ class IndexerHttp:
         limit = self.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise QueryError(f"body of {request.content_length} bytes; at most {limit} here", 413)
-        try:
-            raw = await request.content.read(limit + 1)
-        except ValueError:
-            raise QueryError("unreadable body") from None
-        if len(raw) > limit:
-            raise QueryError(f"body over {limit} bytes", 413)
+        chunks, size = [], 0
+        while chunk := await request.content.readany():  # the whole body, or refused past the limit
+            size += len(chunk)
+            if size > limit:
+                raise QueryError(f"body over {limit} bytes", 413)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             # msgspec decodes typed, in C: lists of integers at tens of MB/s, and a wrong type
             # (a float or bool among token ids, a number as the model) is refused with its path
