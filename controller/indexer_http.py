@@ -87,11 +87,9 @@ class IndexerHttp:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes)
-        app.router.add_post("/query", self._query)
-        app.router.add_post("/query_by_hash", self._query_by_hash)
-        app.router.add_get("/workers", self._workers)
-        app.router.add_get("/hashing", self._hashing)
-        app.router.add_get("/health", self._health)
+        app.add_routes([web.post("/query", self._query), web.post("/query_by_hash", self._query_by_hash),
+                        web.get("/workers", self._workers), web.get("/hashing", self._hashing),
+                        web.get("/health", self._health)])
         return app
 
     async def _body(self, request: web.Request) -> QueryBody:
