@@ -276,3 +276,18 @@ def test_cli_takes_the_chart_list() -> None:
                           "disaggregated_prefill"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "disaggregated prefill routing is not supported" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_smetric_config_fills_what_the_chart_does_not_say(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "smetric.yaml"
+    cfg_file.write_text("policy: {hit_ratio: 0.25, overload: .inf}\nhashing: {block_size: 32, fast_namespace: tiny}\n"
+                        "global_store: {kind: redis, url: redis://127.0.0.1:6379/0}\n")
+    args = build_parser().parse_args([*CHART_K8S_ARGS, "--routing-logic", "smetric_ect",
+                                      "--smetric-config", str(cfg_file)])
+    cfg = build_config(args)
+    assert (cfg.policy.name, cfg.policy.hit_ratio, cfg.policy.overload) == ("smetric_ect", 0.25, float("inf"))
+    assert (cfg.hashing.block_size, cfg.global_store.kind) == (32, "redis")
+    assert cfg.lmcache.enabled and cfg.instances == []
+    with pytest.raises(ArgsError, match="unknown field"):
+        cfg_file.write_text("policy: {nope: 1}\n")
+        build_config(args)

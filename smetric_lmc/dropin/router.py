@@ -59,7 +59,10 @@ def _instance_id(url: str) -> str:
 
 def build_config(args: argparse.Namespace) -> Config:
     """The controller config the argument list describes (ArgsError when it cannot start)."""
-    base = load_config(args.smetric_config) if args.smetric_config else parse_config({})
+    try:
+        base = load_config(args.smetric_config) if args.smetric_config else parse_config({})
+    except ValueError as exc:  # ConfigError: the file's key path and the reason
+        raise ArgsError(f"--smetric-config: {exc}") from None
     policy = policy_for(args.routing_logic, tuple(POLICY_NAMES))
     instances: list[InstanceConfig] = []
     models: list[str] = []
