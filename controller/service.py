@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
+from smetric_lmc.controller.membership import Membership
 from smetric_lmc.controller.tasks import cancel_and_wait
 from smetric_lmc.curve import ZapAllowList, check_keypair
 from smetric_lmc.hashing import HashSettings
@@ -93,9 +94,9 @@ class RouteCore:
     """Answers decoded requests. Never raises: every failure becomes an ``ErrorReply``.
 
     The owner (the controller app) supplies the parts it alone knows through callables:
-    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and tells it
-    which instances are silent (``set_silent``): a routable instance is one registered in the
-    index, not silent, and (in PD disaggregation) prefill-capable.
+    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and the
+    ``membership`` that says who may be routed to (registered in the index, alive, breaker
+    closed, and in PD disaggregation prefill-capable). Without one, every registered instance is.
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class RouteCore:
         global_store_fn: Callable[[], str] | None = None,
         limits: LimitsConfig | None = None,
         on_engine_error: Callable[[str, str], None] | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.limits = limits or LimitsConfig()
         self._on_engine_error = on_engine_error  # (instance_id, error kind) of a done that carries one
@@ -123,14 +125,7 @@ class RouteCore:
         self.metrics = metrics
         self.disaggregated = disaggregated
         self._instances: dict[str, InstanceConfig] = {i.id: i for i in instances}
-        # In PD disaggregation only prefill-capable instances take new requests.
-        self._roles_ok: frozenset[str] | None = (
-            frozenset(i.id for i in instances if i.role in ("prefill", "both")) if disaggregated else None
-        )
-        self._silent: frozenset[str] = frozenset()
-        # None routes over every registered instance (the fast path); a list narrows it.
-        self.candidates: list[str] | None = None
-        self._update_candidates()
+        self.membership = membership or Membership(instances, index, load, disaggregated=disaggregated)
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
@@ -169,17 +164,10 @@ class RouteCore:
                 log.info("index ready: routing with policy=%s", self.router.policy_cfg.name)
         return self._ready
 
-    def set_silent(self, silent: set[str] | frozenset[str]) -> None:
-        """Instances that keep their index but take no new requests (silent past the timeout)."""
-        self._silent = frozenset(silent)
-        self._update_candidates()
-
-    def _update_candidates(self) -> None:
-        if self._roles_ok is None and not self._silent:
-            self.candidates = None
-            return
-        ids = [i for i in self._instances if i not in self._silent]
-        self.candidates = [i for i in ids if self._roles_ok is None or i in self._roles_ok]
+    @property
+    def candidates(self) -> list[str] | None:
+        """What the router may pick from (None: every registered instance), as membership says."""
+        return self.membership.candidates
 
     def endpoint_of(self, instance_id: str) -> str | None:
         inst = self._instances.get(instance_id)
@@ -288,7 +276,7 @@ class RouteCore:
             prompt,
             turn=req.turn,
             est_hit=req.est_hit_tokens,
-            candidates=self.candidates,
+            candidates=self.membership.candidates,
         )
         if routed.instance_id is None:
             self.counters["no_instance"] += 1
@@ -329,11 +317,7 @@ class RouteCore:
 
     # ---- introspection ---------------------------------------------------------------------------
     def routable_ids(self) -> list[str]:
-        ids = self.index.instances
-        if self.candidates is not None:
-            allowed = set(self.candidates)
-            ids = [i for i in ids if i in allowed]
-        return ids
+        return self.membership.routable_ids()
 
     def health(self) -> HealthReply:
         n = len(self.routable_ids())

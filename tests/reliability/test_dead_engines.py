@@ -71,7 +71,7 @@ async def test_an_engine_that_never_answered_gets_no_first_turns(pair: Pair) -> 
     app = await pair.start_app(metrics_poll_s=0.2)
     await wait_for(lambda: app.routable() == ["a"], 3.0, "a alive")
     assert await _routes(app, 12) == {"a"}
-    assert app._open.get("b") == "metrics_poll_failed"
+    assert app.membership.breaker("b") == "metrics_poll_failed"
 
 
 async def test_a_failed_poll_takes_the_engine_out_at_once_and_a_probe_brings_it_back(pair: Pair) -> None:

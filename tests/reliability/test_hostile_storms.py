@@ -90,7 +90,7 @@ async def stack() -> AsyncIterator[tuple[ControllerApp, StandInEngine]]:
 
 def alive(app: ControllerApp) -> None:
     """Every part still running and no handler raised."""
-    for task in app._tasks:
+    for task in app.supervisor.tasks:
         assert not task.done(), f"part {task.get_name()} ended"
     assert app.core.counters["internal_errors"] == 0
     if app.lmcache_server is not None:
