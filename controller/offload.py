@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # multiprocessing is imported when the worker starts, not on 
 
 log = logging.getLogger(__name__)
 
+#: Peer frames larger than this are decoded in the worker, not on the loop: their decode cost is
+#: linear in their size (route frames, vLLM KV-event batches, LMCache PULL frames alike).
+OFFLOAD_BYTES = 256 << 10
+
 T = TypeVar("T")
 
 

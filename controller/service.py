@@ -26,7 +26,8 @@ import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
 from smetric_lmc.controller.membership import Membership
-from smetric_lmc.controller.tasks import cancel_and_wait
+from smetric_lmc.controller.offload import OFFLOAD_BYTES
+from smetric_lmc.controller.tasks import LoopBudget, cancel_and_wait
 from smetric_lmc.curve import ZapAllowList, check_keypair
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
@@ -475,15 +476,10 @@ class RouteService:
             self._own_ctx.destroy(linger=0)
             self._own_ctx = None
 
-    #: Requests answered per wake-up before yielding to the other tasks on the loop ...
-    DRAIN_MAX = 64
-    #: ... or payload bytes, or seconds, whichever comes first: a count alone let 64 multi-MB
-    #: requests hold the loop for a quarter of a second.
-    DRAIN_BYTES = 1 << 20
-    DRAIN_S = 0.002
-    #: Frames larger than this are decoded, checked and hashed in the worker process (FramePrep):
-    #: their cost is linear in their size (a 2 M-token route: ~180 ms of CPU).
-    OFFLOAD_BYTES = 256 << 10
+    #: Requests answered per wake-up before yielding to the other tasks on the loop.
+    DRAIN_BUDGET = LoopBudget()
+    #: Frames larger than this are decoded, checked and hashed in the worker process (FramePrep).
+    OFFLOAD_BYTES = OFFLOAD_BYTES
     #: Large frames in the worker at once; the service stops reading while this many are pending.
     MAX_OFFLOADED = 4
 
@@ -499,6 +495,7 @@ class RouteService:
         sync = zmq.Socket.shadow(sock.underlying)
         self._task = asyncio.current_task()
         self._prep_task = asyncio.create_task(self._start_prep_later(), name="frame-worker-start")
+        meter = self.DRAIN_BUDGET.meter()
         while not self._closing:
             try:
                 frames = frames_within(await sock.recv_multipart(copy=False), self.max_frame_bytes)
@@ -511,15 +508,13 @@ class RouteService:
                     return
                 log.warning("route service: receive failed error=%s", exc)
                 continue
-            answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
+            meter.reset()
             while True:
-                nbytes += self._serve(sync, frames)
-                answered += 1
-                if answered >= self.DRAIN_MAX or nbytes >= self.DRAIN_BYTES or time.perf_counter() >= until:
+                if meter.spend(self._serve(sync, frames)):
                     await asyncio.sleep(0)  # a flood must not starve event ingest on the same loop
                     if self._closing:
                         return
-                    answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
+                    meter.reset()
                 while len(self._offloaded) >= self.MAX_OFFLOADED:
                     await asyncio.wait(self._offloaded, return_when=asyncio.FIRST_COMPLETED)
                 try:

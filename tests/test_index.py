@@ -5,7 +5,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smetric_lmc.controller.vllm_events import BlockStored, EventBatch, apply_batch
+from smetric_lmc.controller.vllm_plan import apply_batch
+from smetric_lmc.controller.vllm_wire import BlockStored, EventBatch
 from smetric_lmc.hashing import fast_chain
 from smetric_lmc.index import TierIndex, adapter_root, fold_extra
 

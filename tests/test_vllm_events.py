@@ -17,17 +17,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from smetric_lmc.controller.vllm_events import (
+from smetric_lmc.controller.vllm_events import VllmEventSubscriber, connectable, vllm_binds
+from smetric_lmc.controller.vllm_plan import apply_batch
+from smetric_lmc.controller.vllm_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DroppedEvent,
     PayloadError,
-    VllmEventSubscriber,
-    apply_batch,
-    connectable,
     decode_payload,
-    vllm_binds,
 )
 
 END = b"\xff" * 8
@@ -531,10 +529,9 @@ async def test_ingest_yields_after_its_byte_budget(ctx: zmq.asyncio.Context, mon
     # queued ~100 KB frames were all handled in one turn of the loop (MB-sized hostile batches
     # held it ~100 ms in bench/soak.py's storm).
     from smetric_lmc.controller import vllm_events as V
+    from smetric_lmc.controller.tasks import LoopBudget
 
-    monkeypatch.setattr(V, "YIELD_AFTER_BATCHES", 10**9)
-    monkeypatch.setattr(V, "YIELD_AFTER_S", 3600.0)
-    monkeypatch.setattr(V, "YIELD_AFTER_BYTES", 300_000)
+    monkeypatch.setattr(V, "LOOP_BUDGET", LoopBudget(items=10**9, nbytes=300_000, seconds=3600.0))
     sink = Recorder()
     engine, sub = engine_with_subscriber(ctx, sink)
     seen: set[int] = set()

@@ -20,7 +20,8 @@ from smetric_lmc.config import ConfigError, LimitsConfig, parse_config
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
 from smetric_lmc.controller.lmcache_server import MISSING_WINDOW, LMCacheWorkerServer
-from smetric_lmc.controller.vllm_events import PayloadError, VllmEventSubscriber, decode_payload
+from smetric_lmc.controller.vllm_events import VllmEventSubscriber
+from smetric_lmc.controller.vllm_wire import PayloadError, decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.wire import ErrorReply, InstancesReply, InstancesRequest, decode_reply, encode

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from smetric_lmc.controller.route_prep import FramePrep
 from smetric_lmc.controller.service import RouteService
+from smetric_lmc.controller.tasks import LoopBudget
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.wire import ErrorReply, RouteDecision, RouteRequest, decode_reply
 
@@ -132,9 +133,7 @@ async def test_a_wake_up_yields_after_its_payload_budget() -> None:
     # in one go and a task on the same loop never ran in between.
     core = make_core()
     svc = RouteService(core, "tcp://127.0.0.1:*")
-    svc.DRAIN_MAX = 10**9  # type: ignore[misc]
-    svc.DRAIN_S = 3600.0  # type: ignore[misc]
-    svc.DRAIN_BYTES = 300_000  # type: ignore[misc]
+    svc.DRAIN_BUDGET = LoopBudget(items=10**9, nbytes=300_000, seconds=3600.0)  # type: ignore[misc]
     svc.bind()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -241,9 +240,7 @@ async def test_lmcache_pull_yields_after_its_byte_budget(monkeypatch: pytest.Mon
     from smetric_lmc.controller import lmcache_server as L
     from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
 
-    monkeypatch.setattr(L, "YIELD_EVERY", 10**9)
-    monkeypatch.setattr(L, "YIELD_S", 3600.0)
-    monkeypatch.setattr(L, "YIELD_BYTES", 300_000)
+    monkeypatch.setattr(L, "LOOP_BUDGET", LoopBudget(items=10**9, nbytes=300_000, seconds=3600.0))
     server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
                                  full_sync_on_start=False)  # type: ignore[arg-type]
     await server.start()
@@ -321,7 +318,8 @@ async def test_a_large_lmcache_batch_is_applied_a_slice_at_a_time() -> None:
     from test_bounds import _Sink  # type: ignore[import-not-found]
 
     from smetric_lmc.controller import lmcache_proto as P
-    from smetric_lmc.controller.lmcache_server import OPS_SLICE, LMCacheWorkerServer
+    from smetric_lmc.controller.lmcache_kvops import OPS_SLICE
+    from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
 
     server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
                                  resolve_instance=lambda lmc, _w: lmc, full_sync_on_start=False)  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ from services import fixture_path
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-from smetric_lmc.controller.vllm_events import apply_batch, decode_payload
+from smetric_lmc.controller.vllm_plan import apply_batch
+from smetric_lmc.controller.vllm_wire import decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as S
 
