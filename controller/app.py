@@ -175,7 +175,7 @@ class ControllerApp:
             for sig, handler in (
                 (signal.SIGINT, self.request_stop),
                 (signal.SIGTERM, self.request_stop),
-                (signal.SIGHUP, self.reload_config),
+                (signal.SIGHUP, self.reloader.reload),
             ):
                 loop.add_signal_handler(sig, handler)
                 installed.append(sig)
@@ -346,33 +346,6 @@ class ControllerApp:
             if self.load.drain():
                 busy = True
             await asyncio.sleep(0 if busy else 0.2)
-
-    # ---- what tests, benches and signals call (each owned by its part) ----------------------------
-    def routable(self) -> list[str]:
-        return self.membership.routable_ids()
-
-    def health_dict(self) -> dict[str, Any]:
-        return self.state.health()
-
-    def check_liveness(self, now: float | None = None) -> list[str]:
-        return self.membership.check_liveness(now)
-
-    def engine_unreachable(self, iid: str, kind: str) -> None:
-        self.membership.engine_unreachable(iid, kind)
-
-    def reload_config(self) -> bool:
-        return self.reloader.reload()
-
-    async def write_snapshot(self) -> bool:
-        return await self.snapshots.write()
-
-    @property
-    def snapshot_stats(self) -> dict[str, Any]:
-        return self.snapshots.stats
-
-    @property
-    def reloads(self) -> dict[str, int]:
-        return self.reloader.counts
 
 
 def _import_http() -> None:

@@ -264,7 +264,7 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
         # whose /metrics answered, enters routing.
         session = list(range(1000, 1000 + 32 * 8))
         app.index.gpu_stored("b", list(range(8)), None, session, 32)
-        await wait_for(lambda: app.routable() == ["a"], 3.0, "a to enter routing, b not")
+        await wait_for(lambda: app.membership.routable_ids() == ["a"], 3.0, "a to enter routing, b not")
         # Out of routing, but its index is kept (marked stale), not wiped.
         assert app.index.gpu_blocks_of("b") == 8
         assert app.index.stale_instances() == ["b"]
@@ -284,7 +284,7 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
             infos = {i.id: i for i in await client.instances()}
             assert infos["b"].routable is False and infos["a"].routable is True
             await engine_b.start()
-            await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 3.0, "b to come back")
+            await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 3.0, "b to come back")
             # The session's KV is still on b: its next turn sticks there instead of rebalancing.
             d = await client.route("f1", token_ids=follow_up, turn=2, est_hit_tokens=len(session))
             assert (d.instance_id, d.reason.value, d.local_hit_tokens) == ("b", "sticky", len(session))
@@ -310,7 +310,7 @@ async def test_engine_metrics_heal_a_lost_done(running: Callable[..., Any]) -> N
                 load={"metrics_poll_s": 0.05, "lost_done_grace_s": 0.0, "instance_timeout_s": 30},
             )
         )
-        await wait_for(lambda: app.routable() == ["a"], 3.0, "a alive")
+        await wait_for(lambda: app.membership.routable_ids() == ["a"], 3.0, "a alive")
         async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
             d = await client.route("lost", token_ids=[7] * 64, turn=0)
             assert d.instance_id == "a" and len(app.load) == 1
@@ -366,10 +366,10 @@ async def test_policy_hot_reloads_from_the_file(running: Callable[..., Any], tmp
         assert d.policy == "bailian"
 
     rewrite("policy: {hit_ratio: 7}\n")  # invalid: ignored, the running policy stays
-    await wait_for(lambda: app.reloads["rejected"] == 1, 3.0, "rejected reload")
+    await wait_for(lambda: app.reloader.counts["rejected"] == 1, 3.0, "rejected reload")
     rewrite("policy: [unclosed\n")
-    await wait_for(lambda: app.reloads["rejected"] == 2, 3.0, "rejected reload")
-    assert app.router.policy_cfg.name == "bailian" and app.reloads["applied"] == 1
+    await wait_for(lambda: app.reloader.counts["rejected"] == 2, 3.0, "rejected reload")
+    assert app.router.policy_cfg.name == "bailian" and app.reloader.counts["applied"] == 1
 
 
 def test_cli_runs_reloads_on_sighup_and_stops_on_sigterm(tmp_path: Path) -> None:

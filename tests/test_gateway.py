@@ -522,14 +522,14 @@ async def test_gateway_errors_are_json_in_openai_shape(make_stack: StackFactory)
 async def test_connect_error_takes_the_instance_out_of_the_controllers_routing(make_stack: StackFactory) -> None:
     s: Stack = await make_stack(1, dead_instance=True)
     assert s.controller is not None
-    assert sorted(s.controller.routable()) == ["dead", "e0"]  # no poller: routable from the start
+    assert sorted(s.controller.membership.routable_ids()) == ["dead", "e0"]  # no poller: routable from the start
     for _ in range(4):
         resp = await s.chat(MSGS)
         assert resp.status == 200 and resp.headers["X-SMetric-Instance"] == "e0"
     failed = [d for d in await s.wait_dones(1) if d.instance_id == "dead"]
     # The controller balanced the first turn onto "dead" at most once: the report took it out.
     assert len(failed) == 1 and failed[0].error == "connect" and failed[0].ok is False
-    assert s.controller.routable() == ["e0"]
+    assert s.controller.membership.routable_ids() == ["e0"]
 
 
 async def test_gateway_fails_over_to_a_controller_replica(make_stack: StackFactory) -> None:

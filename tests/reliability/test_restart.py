@@ -71,7 +71,7 @@ async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path:
             assert second.core.catching_up  # restoring in the background: routes go by load
             sub = second.subscribers["a"]
             await wait_for(lambda: sub.caught_up.is_set() and not second.core.catching_up, what="catch-up")
-            assert second.snapshot_stats["restored_blocks"] > 0
+            assert second.snapshots.stats["restored_blocks"] > 0
             assert engine.replay_requests == [6]  # from the batch after the snapshot's, not from 0
             assert sub.stats.last_seq == last and sub.stats.gaps == 0
             assert same_content(second.index, _truth(engine.frames, last), ["a"]) == []
@@ -138,7 +138,7 @@ async def test_routes_are_answered_while_a_large_snapshot_is_restored(tmp_path: 
             answered = time.monotonic() - t0
             assert app.core.catching_up and d.index_ready is False and d.instance_id in ("i0", "i1")
             await wait_for(lambda: not app.core.catching_up, 30.0, "restore")
-            assert answered < app.snapshot_stats["restore_s"]
+            assert answered < app.snapshots.stats["restore_s"]
             assert same_content(app.index, idx) == []
     finally:
         await app.close()
