@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
-from smetric_lmc.controller.lmcache_registry import Worker, WorkerRegistry
-
-if TYPE_CHECKING:
-    from smetric_lmc.controller.lmcache_server import LMCacheSink
+from smetric_lmc.controller.lmcache_registry import LMCacheSink, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 

