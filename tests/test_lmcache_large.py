@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq.asyncio
-from test_lmcache_server import RecordingSink, ctx, ops, push, reg, serving, until  # noqa: F401  (ctx: fixture)
+from lmcache_helpers import RecordingSink, ops, push, reg, serving, until
 
 from smetric_lmc.controller import lmcache_kvops as kvops
 from smetric_lmc.controller import lmcache_proto as P

@@ -16,7 +16,8 @@ import msgspec
 import numpy as np
 import pytest
 import zmq.asyncio
-from test_vllm_events import Recorder, ctx, engine_with_subscriber, running, until  # noqa: F401  (ctx: fixture)
+from helpers import until
+from vllm_helpers import Recorder, engine_with_subscriber, running
 
 from smetric_lmc.controller import vllm_events as V
 from smetric_lmc.controller import vllm_plan as VP

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import hostile
 import msgspec
@@ -15,6 +13,7 @@ import zmq
 import zmq.asyncio
 from helpers import wait_for
 from services import free_port
+from test_controller_service import PROMPT, make_core  # noqa: E402
 
 from smetric_lmc.config import ConfigError, LimitsConfig, parse_config
 from smetric_lmc.controller import lmcache_proto as P
@@ -25,9 +24,6 @@ from smetric_lmc.controller.vllm_wire import PayloadError, decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.wire import ErrorReply, InstancesReply, InstancesRequest, decode_reply, encode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_service import PROMPT, make_core  # noqa: E402
 
 _enc = msgspec.msgpack.encode
 

@@ -7,22 +7,18 @@ controller, its poller and its route socket are the real ones.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import wait_for
 from services import free_port
+from test_controller_app import FakeEngine, base_config  # noqa: E402
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_app import FakeEngine, base_config  # noqa: E402
 
 
 class Pair:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import zmq.asyncio
 from helpers import wait_for
 from index_content import same_content
 from services import fixture_path
+from test_controller_app import RecordedEngine, base_config  # noqa: E402
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
@@ -24,9 +24,6 @@ from smetric_lmc.controller.vllm_plan import apply_batch
 from smetric_lmc.controller.vllm_wire import decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as S
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_app import RecordedEngine, base_config  # noqa: E402
 
 
 def _config(engine: RecordedEngine, path: Path) -> dict:
