@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import zmq.asyncio
+from gateway_helpers import make_stack  # noqa: F401  (the gateway tests' stack fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 

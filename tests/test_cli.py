@@ -41,7 +41,7 @@ def test_controller_rejects_a_bad_config_with_its_key_path(tmp_path):
 
 @pytest.mark.parametrize("allocator", ["malloc", "pymalloc"])
 def test_controller_restarts_itself_under_the_configured_allocator(tmp_path, allocator):
-    from tests.services import free_port
+    from services import free_port
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"server:\n  route_url: tcp://127.0.0.1:{free_port()}\n  metrics_port: {free_port()}\n"

@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers import wait_for
+from service_helpers import PROMPT, make_core  # noqa: E402
 from services import free_port
-from test_controller_service import PROMPT, make_core  # noqa: E402
 
 from smetric_lmc.config import ConfigError, LimitsConfig, parse_config
 from smetric_lmc.controller import lmcache_proto as P

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from app_helpers import FakeEngine, base_config  # noqa: E402
 from helpers import wait_for
 from services import free_port
-from test_controller_app import FakeEngine, base_config  # noqa: E402
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 import zmq
-from test_controller_service import PROMPT, ServiceThread, connect_dealer, make_core, route_req  # noqa: E402
+from service_helpers import PROMPT, ServiceThread, connect_dealer, make_core, route_req  # noqa: E402
 
 from smetric_lmc.config import LimitsConfig
 from smetric_lmc.controller.route_prep import prepare_frame

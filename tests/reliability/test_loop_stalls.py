@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from lmcache_helpers import RecordingSink
-from test_controller_service import BS, PROMPT, ROOT, make_core, seed  # noqa: E402
+from service_helpers import BS, PROMPT, ROOT, make_core, seed  # noqa: E402
 
 from smetric_lmc.controller.route_prep import FramePrep
 from smetric_lmc.controller.service import RouteService

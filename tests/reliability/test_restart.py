@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import zmq.asyncio
+from app_helpers import RecordedEngine, base_config  # noqa: E402
 from helpers import wait_for
 from index_content import same_content
 from services import fixture_path
-from test_controller_app import RecordedEngine, base_config  # noqa: E402
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
