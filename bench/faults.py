@@ -45,6 +45,7 @@ import yaml
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from kit.index_content import same_content
 
 from smetric_lmc.client import RouteClient, RouteError
 from smetric_lmc.config import parse_config
@@ -55,10 +56,6 @@ from smetric_lmc.gateway import Gateway
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as index_snapshot
 from smetric_lmc.workers.launch import free_ports
-
-# Index comparison is test code shared with tests/reliability, not package code.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from index_content import same_content  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 METRICS = (

@@ -73,23 +73,19 @@ import sys
 import time
 import tracemalloc
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import replicas as replicas_bench  # noqa: E402  (bench/ is the script's directory)
 import soak_load
 import zmq
 import zmq.asyncio
+from kit import hostile
 from replicas import free_ports
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import ServerConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.controller.memory import ALLOCATORS, exec_with_allocator, running_allocator
-
-# The malformed-message generators are test code shared with tests/reliability, not package code.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import hostile  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}
@@ -516,11 +512,10 @@ def faults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def curve_refuses_unknown_client() -> bool:
+    from kit.route_core import make_core
+
     from smetric_lmc.client import RouteClient, RouteRefused
     from smetric_lmc.controller.service import RouteCore, RouteService
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_controller_service import make_core  # type: ignore[import-not-found]
 
     public, secret = (k.decode() for k in zmq.curve_keypair())
     known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())

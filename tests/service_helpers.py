@@ -8,20 +8,13 @@ import threading
 from collections.abc import Iterator
 
 import zmq
+from kit.route_core import BS, ROOT, make_core  # noqa: F401  (re-exported to the tests)
 
-from smetric_lmc.config import InstanceConfig, PolicyConfig
 from smetric_lmc.controller.service import RouteCore, RouteService
-from smetric_lmc.hashing import HashSettings, fast_chain, fast_root
-from smetric_lmc.index import TierIndex
-from smetric_lmc.load import LoadTracker
-from smetric_lmc.router import Router
+from smetric_lmc.hashing import fast_chain
 from smetric_lmc.wire import (
     RouteRequest,
 )
-
-BS = 16
-
-ROOT = fast_root("test-model")
 
 PROMPT = list(range(1000, 1000 + 40 * BS + 7))  # 40 full blocks and a partial one
 
@@ -71,21 +64,6 @@ class ServiceThread:
         fut.result(5)
         self._thread.join(5)
 
-def make_core(
-    n: int = 2, *, want_chunks: bool = False, disaggregated: bool = False, roles: list[str] | None = None
-) -> RouteCore:
-    index = TierIndex(BS, 256, fast_root=ROOT)
-    load = LoadTracker()
-    insts = [
-        InstanceConfig(id=f"i{k}", http=f"http://127.0.0.1:{8000 + k}", role=(roles[k] if roles else "both"))  # type: ignore[arg-type]
-        for k in range(n)
-    ]
-    for inst in insts:
-        index.register_instance(inst.id)
-        load.add_instance(inst.id)
-    router = Router(index, load, PolicyConfig(), disaggregated=disaggregated)
-    hs = HashSettings(block_size=BS, fast_root=ROOT, want_chunks=want_chunks)
-    return RouteCore(index, load, router, insts, hs, disaggregated=disaggregated)
 
 def seed(core: RouteCore, instance: str, tokens: list[int]) -> None:
     core.index.gpu_stored_hashes(instance, fast_chain(tokens, BS, root=ROOT))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from lmcache_venv import run_in_lmcache_venv
+from kit.lmcache_venv import run_in_lmcache_venv
 
 from smetric_lmc.controller import lmcache_proto as P
 

@@ -10,12 +10,13 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+import kit
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from kit.lmcache_venv import require_lmcache_python
 from lmcache_helpers import ANY, C0, C1, C2, C3, RecordingSink, Worker, hb, ops, push, reg, serving, until
-from lmcache_venv import require_lmcache_python
 
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
@@ -433,7 +434,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 def test_reference_script_shows_first_holder_crediting() -> None:
     py = require_lmcache_python()
-    script = Path(__file__).with_name("lmcache_reference.py")
+    script = Path(kit.__file__).with_name("lmcache_reference.py")
     spec = {"repeat": 5, "admits": [{"instance": "A", "hashes": [1, 3]},
                                     {"instance": "B", "hashes": [1, 2, 3, 4]}],
             "lookups": [[1, 2, 3, 4, 5], [9, 1]]}

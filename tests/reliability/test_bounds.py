@@ -6,12 +6,12 @@ import asyncio
 import time
 import tracemalloc
 
-import hostile
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 from helpers import wait_for
+from kit import hostile
 from service_helpers import PROMPT, make_core  # noqa: E402
 from services import free_port
 

@@ -15,12 +15,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import hostile
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 from helpers import wait_for
+from kit import hostile
 from services import free_port
 
 from smetric_lmc.client import AsyncRouteClient

@@ -14,7 +14,7 @@ from pathlib import Path
 import zmq.asyncio
 from app_helpers import RecordedEngine, base_config  # noqa: E402
 from helpers import wait_for
-from index_content import same_content
+from kit.index_content import same_content
 from services import fixture_path
 
 from smetric_lmc.client import AsyncRouteClient
