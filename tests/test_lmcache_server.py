@@ -329,6 +329,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+@pytest.mark.integration
 async def test_forwarding_to_real_lmcache_controller(ctx: zmq.asyncio.Context) -> None:
     py = require_lmcache_python()
     p_pull, p_reply, p_inspect = _free_ports(3)
@@ -432,6 +433,7 @@ if __name__ == "__main__":  # pragma: no cover
 # ---- LMCache's own lookup, for the benchmark reference script ----
 
 
+@pytest.mark.integration
 def test_reference_script_shows_first_holder_crediting() -> None:
     py = require_lmcache_python()
     script = Path(kit.__file__).with_name("lmcache_reference.py")

@@ -8,6 +8,9 @@ import pytest
 from kit import peers
 from kit.lmcache_venv import require_lmcache_python
 
+#: Real peer indexers (Dynamo's Rust tree, LMCache's controller in its venv).
+pytestmark = pytest.mark.integration
+
 SIZE = peers.Size(instances=8, blocks=20_000, queries=120)
 
 

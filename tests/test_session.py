@@ -49,6 +49,7 @@ def test_observing_exact_counts_moves_the_rate_to_the_served_tokenizer():
     assert est.bytes_per_token == before
 
 
+@pytest.mark.integration
 def test_error_against_a_real_tokenizer_on_held_out_conversations():
     if lmcache_python() is None:
         pytest.skip("engine venv (transformers + the tiny model's tokenizer) not built: run .ci/engine-venv.sh")
