@@ -163,7 +163,7 @@ async def run_pipelined(endpoint: str, chains: list[HashChain], args: argparse.N
 
 def ingest_rate(n_events: int) -> float | None:
     try:
-        from vllm_payloads import ingest_benchmark
+        from kit.vllm_payloads import ingest_benchmark
     except ImportError:
         return None
     from smetric_lmc.index import TierIndex
@@ -306,5 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: One-question probes of the controller's parts (bench/kit/probes), run as `--probe NAME [ARGS]`.
+PROBES = ("index_stalls", "load_scans", "gc_pauses", "inflight_bytes")
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from kit import probes
+
+    rc = probes.run(sys.argv[1:], PROBES, "bench/controller.py")
+    sys.exit(main() if rc is None else rc)

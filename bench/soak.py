@@ -48,7 +48,7 @@ thread's run-queue wait (the OS running other processes: on this bench's 2 share
 its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call, or
 its virtual CPU taken by the hypervisor: ``machine_steal_ms`` is the steal on all CPUs meanwhile);
 ``--sample-loop`` adds the system calls it was in. ``heap_mb`` shows where RSS sits (glibc in
-use / free, pymalloc arenas against the blocks in use in them; see bench/inflight_bytes.py for
+use / free, pymalloc arenas against the blocks in use in them; see `bench/controller.py --probe inflight_bytes` for
 why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
 <= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
 restart, soak p99 <= 5 ms, routes/s growing with replicas.
@@ -56,7 +56,7 @@ restart, soak p99 <= 5 ms, routes/s growing with replicas.
 Diagnosis (each slows the run a little; quote figures from runs without them):
 ``--slow-callbacks`` names the event-loop callbacks (by task) that ran over 15 ms and times the
 load tracker's and the index's upkeep calls; ``--diag-end`` prints RSS after a full GC and a
-``malloc_trim`` and a census of the live objects by pymalloc arena (``bench/arena_census.py``:
+``malloc_trim`` and a census of the live objects by pymalloc arena (``bench/kit/arena_census.py``:
 which objects keep sparse arenas resident); ``--sample-loop`` and ``--tracemalloc`` as above.
 """
 
@@ -648,7 +648,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             malloc_trim()
             diag["after_trim"] = (round(rss_mb(), 1), heap_mb())
             print(f"diag_end: {diag}", file=sys.stderr)
-            from arena_census import census
+            from kit.arena_census import census
 
             print(f"arena_census: {json.dumps(census(), default=str)}", file=sys.stderr)
         if slow is not None:

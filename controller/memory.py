@@ -81,7 +81,7 @@ def exec_with_allocator(allocator: str) -> None:
     What ``malloc`` buys: pymalloc returns a 1 MiB arena to the OS only once every object in it is
     freed, so a burst of short-lived objects with a few long-lived ones among them (a counter's
     latest value, a new session's entry) keeps most of its arenas resident for good:
-    ``bench/inflight_bytes.py --n 160000`` measures 31 MB kept after 160 k expired requests with 32 survivors,
+    ``bench/controller.py --probe inflight_bytes --n 160000`` measures 31 MB kept after 160 k expired requests with 32 survivors,
     1 MB under ``PYTHONMALLOC=malloc``, where a survivor pins a 4 KiB page and :class:`Trimmer`
     returns the rest (bench/soak.py: RSS growth 30 MB under malloc, 53 MB under pymalloc, most of
     it arenas that per-route records churned and a few long-lived objects pinned; 16-26 MB under
@@ -149,7 +149,7 @@ class Trimmer:
     The spans live in a preallocated array, not a deque of tuples: a tuple and two floats made
     every few seconds and kept for an hour land in whatever pymalloc pools a burst of requests
     just freed, and each one keeps its 1 MiB arena resident after the burst is gone
-    (``bench/arena_census.py`` found them pinning most of the arenas a soak left)."""
+    (``bench/kit/arena_census.py`` found them pinning most of the arenas a soak left)."""
 
     def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024,
                  max_skip_s: float = 60.0) -> None:

@@ -54,7 +54,7 @@ class LoadTracker:
         # map, oldest cohort first, and a request leaves its cohort when it is released. A done
         # request then costs nothing until expiry. (An age queue of every route kept each done
         # request's entry and id for ``expire_s``: 20 MB at 5 k routes/s, churned through
-        # pymalloc arenas that a few long-lived objects then kept resident, bench/arena_census.py.)
+        # pymalloc arenas that a few long-lived objects then kept resident, bench/kit/arena_census.py.)
         # Maps of untracked objects (str keys, gc=False entries) are not tracked by the cyclic GC
         # either: one GC-tracked record per route, freed by expiry as new ones come, keeps the
         # generation-0 count from reaching its threshold, and one collection of the 100 k+ young

@@ -1,7 +1,7 @@
 """Held-out conversations and their exact token counts (the tiny model's tokenizer and chat
 template, run in the engine venv), for measuring the gateway's ``ChatTokenEstimator``:
-``bench/est_hit_error.py`` and ``tests/test_session.py``. What the conversations are made of:
-``bench/est_hit_error.py``'s docstring."""
+``bench/decide.py --probe est_hit_error`` and ``tests/test_session.py``. What the conversations are made of:
+``bench/kit/probes/est_hit_error.py``'s docstring."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ in. The estimator is measured as it starts (no calibration) and after observing 
 the first ``--calibrate`` conversations, as the gateway does with each request an engine tokenizes;
 both are evaluated on the remaining (held-out) conversations only.
 
-    python bench/est_hit_error.py [--conversations 100] [--calibrate 20] [--seed 0]
+    python bench/decide.py --probe est_hit_error [--conversations 100] [--calibrate 20] [--seed 0]
 
 Needs the engine venv ($SMETRIC_ENGINE_VENV, default ~/.cache/smetric/vllm-venv). Prints a table,
 then one JSON object on the last line.
@@ -24,7 +24,6 @@ import statistics
 import sys
 
 from kit.token_estimate import conversations, errors, exact_counts, summary
-
 from smetric_lmc.session import ChatTokenEstimator
 
 
