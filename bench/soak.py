@@ -11,7 +11,7 @@ Phases, in order:
    types, deep nesting, huge lists, extreme integers, bad framing, protocol abuse) to the route
    ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
    as the engine the subscriber follows.
-2. load soak on the same controller: an open-loop client process (bench/soak_load.py) at the
+2. load soak on the same controller: an open-loop client process (bench/kit/soak_load.py) at the
    highest sustainable rate (``--rate``; 0: the closed-loop ceiling is measured first, then
    ``--probe-s`` probes at 50, 40, 30, 20 and 10% of it, highest first, and the first whose p99
    holds 5 ms is the rate: the highest rate that holds the latency target on this machine, whose
@@ -76,10 +76,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import replicas as replicas_bench  # noqa: E402  (bench/ is the script's directory)
-import soak_load
 import zmq
 import zmq.asyncio
-from kit import hostile
+from kit import hostile, soak_load
 from replicas import free_ports
 
 from smetric_lmc.client import AsyncRouteClient
