@@ -82,7 +82,7 @@ from kit import hostile, soak_load
 from replicas import free_ports
 
 from smetric_lmc.client import AsyncRouteClient
-from smetric_lmc.config import ServerConfig, parse_config
+from smetric_lmc.config import AdvancedConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.controller.memory import ALLOCATORS, exec_with_allocator, running_allocator
 
@@ -554,7 +554,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pub_port, replay_port = free_ports(2)
     cfg = hostile.target_config("soak", 16, pub_port, replay_port)
     if args.worker_timeout_s is not None:  # diagnosis: let the storm's LMCache workers expire within a short run
-        cfg["limits"] = {"lmcache_worker_timeout_s": args.worker_timeout_s}
+        cfg["advanced"] = {"limits": {"lmcache_worker_timeout_s": args.worker_timeout_s}}
     crashes = CrashCounter()
     logging.getLogger().addHandler(crashes)
     logging.getLogger("smetric_lmc").setLevel(logging.ERROR)  # a storm logs a warning per bad gap
@@ -757,8 +757,8 @@ def main() -> None:
                    help="limits.lmcache_worker_timeout_s (default: the config's); a short one lets a smoke run see them expire")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
-    p.add_argument("--allocator", choices=ALLOCATORS, default=ServerConfig().allocator,
-                   help="run under this allocator, as `smetric controller` does with server.allocator "
+    p.add_argument("--allocator", choices=ALLOCATORS, default=AdvancedConfig().allocator,
+                   help="run under this allocator, as `smetric controller` does with advanced.allocator "
                         "(default: the config default)")
     args = p.parse_args()
     exec_with_allocator(args.allocator)  # returns once running under it

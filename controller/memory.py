@@ -66,7 +66,7 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-#: ``server.allocator`` values: the C allocator for every object, or CPython's small-object arenas.
+#: ``advanced.allocator`` values: the C allocator for every object, or CPython's small-object arenas.
 ALLOCATORS = ("malloc", "pymalloc")
 
 
@@ -97,12 +97,12 @@ def exec_with_allocator(allocator: str) -> None:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     current = os.environ.get("PYTHONMALLOC")
     if current not in (None, "", "malloc", "pymalloc"):
-        log.warning("PYTHONMALLOC=%s set explicitly: server.allocator %s not applied", current, allocator)
+        log.warning("PYTHONMALLOC=%s set explicitly: advanced.allocator %s not applied", current, allocator)
         return
     if running_allocator() == allocator:
         return
     if "--multiprocessing-fork" in sys.orig_argv:  # a spawned child: its command line cannot be rerun
-        log.warning("started by multiprocessing: server.allocator %s not applied (runs %s)", allocator,
+        log.warning("started by multiprocessing: advanced.allocator %s not applied (runs %s)", allocator,
                     running_allocator())
         return
     env = dict(os.environ, PYTHONMALLOC=allocator)

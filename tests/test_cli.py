@@ -45,7 +45,7 @@ def test_controller_restarts_itself_under_the_configured_allocator(tmp_path, all
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"server:\n  route_url: tcp://127.0.0.1:{free_port()}\n  metrics_port: {free_port()}\n"
-                   f"  allocator: {allocator}\n")
+                   f"advanced:\n  allocator: {allocator}\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
     proc = subprocess.Popen([sys.executable, "-m", "smetric_lmc.cli", "controller", "--config", str(cfg)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
