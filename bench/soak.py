@@ -7,7 +7,7 @@ Phases, in order:
 
 1. hostile storm: a ``ControllerApp`` (route socket, LMCache worker sockets, one KV-event
    subscriber) runs in this process with a loop-lag probe on its event loop; a second process
-   plays the hostile peers: messages drawn from ``tests/hostile.py`` (random, truncated, wrong
+   plays the hostile peers: messages drawn from ``bench/kit/hostile.py`` (random, truncated, wrong
    types, deep nesting, huge lists, extreme integers, bad framing, protocol abuse) to the route
    ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
    as the engine the subscriber follows.

@@ -2,7 +2,7 @@
 
 A ``ControllerApp`` runs in-process with its route socket, its LMCache worker sockets and a KV
 event subscriber following a stand-in engine (a real XPUB and replay ROUTER on loopback). Each
-storm draws its messages from ``tests/hostile.py`` with a fixed seed, then checks that every
+storm draws its messages from ``bench/kit/hostile.py`` with a fixed seed, then checks that every
 request that reached a handler was answered, nothing crashed, and a valid request still works.
 The storms are small here (thousands of messages, seconds); ``bench/soak.py`` runs the large ones.
 """
