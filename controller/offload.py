@@ -1,8 +1,8 @@
 """One worker process for the work a single peer message can make linear in its size.
 
-Decoding and checking a multi-MB frame costs tens of ms of CPU (a 2 M-token route ~180 ms, a
-legal 65,536-block vLLM ``BlockStored`` ~50 ms); on the event loop that freezes every client and
-all event ingest. The route service and the KV-event subscribers hand such frames to this one
+Decoding and checking a frame costs CPU linear in its size (docs/measurements.md has what a
+large route or vLLM batch costs); on the event loop that freezes every client and all event
+ingest. The route service and the KV-event subscribers hand such frames to this one
 spawned process (no ZMQ context inherited) as pure functions of the frame, and get back results
 that are cheap to unpickle (numbers and numpy arrays, not millions of Python objects).
 

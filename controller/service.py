@@ -528,7 +528,7 @@ class RouteService:
 
     async def _start_prep_later(self) -> None:
         await asyncio.sleep(self.PREP_START_S)
-        await asyncio.to_thread(_import_multiprocessing)  # ~50 ms of imports, off the loop
+        await asyncio.to_thread(_import_multiprocessing)  # the worker's imports run off the loop
         if not self._closing:
             self._prep.start()
 
