@@ -99,11 +99,3 @@ class BudgetMeter:
         self.nbytes += nbytes
         b = self.budget
         return self.items >= b.items or self.nbytes >= b.nbytes or time.perf_counter() >= self.until
-
-    async def pause_if_spent(self, nbytes: int = 0) -> bool:
-        """``spend``, and give the loop one turn when that spent the budget; True if it did."""
-        if not self.spend(nbytes):
-            return False
-        await asyncio.sleep(0)
-        self.reset()
-        return True

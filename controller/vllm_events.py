@@ -222,7 +222,9 @@ class VllmEventSubscriber:
             if self._resume:
                 await self._catch_up()
             while not self._closing:
-                await meter.pause_if_spent(nbytes)
+                if meter.spend(nbytes):  # no coroutine per batch: this runs for every one
+                    await asyncio.sleep(0)
+                    meter.reset()
                 nbytes = 0
                 try:
                     frames = await self._sub.recv_multipart()
@@ -380,7 +382,9 @@ class VllmEventSubscriber:
         for op in ops:
             for piece in cut_op(op, SLICE_BLOCKS):
                 run_op(piece, sink, iid)
-                await meter.pause_if_spent()
+                if meter.spend():
+                    await asyncio.sleep(0)
+                    meter.reset()
 
     def _clear(self) -> None:
         self._tell_sink(self._sink.gpu_cleared, "clear")
