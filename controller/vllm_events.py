@@ -1,14 +1,8 @@
-"""Local-tier ingest: vLLM KV cache events (ZMQ PUB + ROUTER replay) into the index.
+"""Local-tier ingest: one subscriber per vLLM engine mirrors its KV-event stream into the index.
 
-Wire (vLLM >= 0.9, verified against 0.32): a multipart message
-``[topic, seq (u64 big-endian, from 0 per engine process), msgpack payload]`` where the
-payload is ``[ts, [events...], data_parallel_rank]``. Events are msgpack maps tagged by
-``"type"`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``); older releases
-encoded them as arrays ``[type, field, ...]``, which are accepted too. Block hashes are
-u64 ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default) or raw digests, which
-are folded to the same u64 vLLM would have sent (last 8 bytes, big-endian).
-
-Replay: a DEALER sends ``[b"", start_seq u64 BE]`` to the engine's ROUTER and receives
+The wire format and its decoders are ``vllm_wire``; turning a decoded batch into index operations
+is ``vllm_plan``. This module receives (ZMQ SUB), detects sequence gaps and engine restarts, and
+replays: a DEALER sends ``[b"", start_seq u64 BE]`` to the engine's ROUTER and receives
 ``[b"", topic, seq, payload]`` per buffered batch, then ``[b"", b"", 0xff..ff, b""]``.
 """
 
