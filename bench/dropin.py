@@ -35,13 +35,13 @@ import asyncio
 import json
 import logging
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kit.soak_load import steal_reader
 
 from smetric_lmc.config import PeerApisConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
@@ -50,9 +50,6 @@ from smetric_lmc.dropin.args import build_parser
 from smetric_lmc.dropin.router import DropinRouter, build_config
 from smetric_lmc.mock_engine.stack import start_mock_engines
 from smetric_lmc.workers.launch import free_ports
-
-sys.path.insert(0, str(Path(__file__).parent))
-from soak_load import steal_reader  # noqa: E402
 
 STATIC_VALUES = {"serviceDiscovery": "static", "staticBackends": "BACKENDS", "staticModels": "tiny,tiny",
                  "routingLogic": "kvaware", "sessionKey": "x-user-id", "lmcacheControllerPort": 9000,

@@ -103,6 +103,7 @@ def mock_engines(tmp_path: Path) -> Any:
         g.stop()
 
 
+@pytest.mark.integration  # mock-engine processes
 async def test_chart_argument_list_runs_router_on_mock_engines(mock_engines: list[Any]) -> None:
     pull, reply, hb = free_ports(3)
     subs = {"BACKENDS": ",".join(m.http_url for m in mock_engines), "8000": "0", "9000": str(pull),
@@ -186,6 +187,7 @@ def _need_kubernetes() -> None:
         pytest.skip("LOUD SKIP: the kubernetes client is not installed (pip install -e '.[k8s]')")
 
 
+@pytest.mark.integration  # mock-engine processes and a Kubernetes API stand-in
 async def test_k8s_discovery_adds_and_removes_engines(tmp_path: Path) -> None:
     """No cluster here: a local stand-in serves the Kubernetes API's pod list and watch."""
     _need_kubernetes()

@@ -97,12 +97,13 @@ def build_config(args: argparse.Namespace) -> Config:
                                      metrics_host="0.0.0.0", metrics_port=args.smetric_metrics_port)
     peer = msgspec.structs.replace(base.peer_apis, host="0.0.0.0", http_port=args.smetric_indexer_http_port,
                                    grpc_port=args.smetric_indexer_grpc_port)
-    limits = msgspec.structs.replace(base.limits, lmcache_worker_timeout_s=float(args.lmcache_worker_timeout))
+    advanced = msgspec.structs.replace(base.advanced, limits=msgspec.structs.replace(
+        base.limits, lmcache_worker_timeout_s=float(args.lmcache_worker_timeout)))
     try:
         cfg = msgspec.structs.replace(
             base, model=base.model or (models[0] if models else ""), instances=instances or base.instances,
             policy=msgspec.structs.replace(base.policy, name=policy), lmcache=lmcache, hashing=hashing,
-            server=server, peer_apis=peer, limits=limits)
+            server=server, peer_apis=peer, advanced=advanced)
         cfg = parse_config(msgspec.to_builtins(cfg))  # every field checked as a config file's are
     except ValueError as exc:
         raise ArgsError(str(exc)) from None
@@ -197,7 +198,7 @@ class DropinRouter:
         self.created.pop(name, None)
 
     def routable(self) -> list[str]:
-        return [i for i in self.controller.routable() if i in self.gateway._by_id]
+        return [i for i in self.controller.membership.routable_ids() if i in self.gateway._by_id]
 
     # ---- production-stack routes ----------------------------------------------------------------
     async def _health(self, _request: web.Request) -> web.Response:

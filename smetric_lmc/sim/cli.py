@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from smetric_lmc.config import POLICY_NAMES, PolicyConfig
@@ -45,7 +46,7 @@ def _floats(text: str | None) -> list[float] | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate"), default="run",
-                   help="run (default); report: regenerate docs/results.md; map: the regime map; calibrate: "
+                   help="run (default); report: regenerate the results document (--out docs/results.md); map: the regime map; calibrate: "
                         "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
     p.add_argument("--rebuild", action="store_true", help="report: rewrite the document from the last run's saved results")
@@ -72,16 +73,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for sweeps")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
-    from smetric_lmc.replay.cli import add_calibration_arguments
-
-    add_calibration_arguments(p)
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+ActionHandler = Callable[[argparse.Namespace], int]
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction, *,
+                    extra_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                    actions: dict[str, ActionHandler] | None = None) -> None:
+    """Add `sim`; ``extra_arguments`` and ``actions`` come from packages above the simulator (the
+    replay package adds calibrate and validate, which drive real engines: sim never imports it)."""
     p = subparsers.add_parser("sim", help="trace-driven cluster simulator (policy comparison, sweeps, reports)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(p)
-    p.set_defaults(func=main_args)
+    if extra_arguments is not None:
+        extra_arguments(p)
+    p.set_defaults(func=main_args, action_handlers=dict(actions or {}))
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
@@ -123,10 +130,13 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.map_cli import main_map
 
         return main_map(args)
+    handler = getattr(args, "action_handlers", {}).get(args.action)
+    if handler is not None:
+        return handler(args)
     if args.action in ("calibrate", "validate"):
-        from smetric_lmc.replay.cli import run_calibration_action
-
-        return run_calibration_action(args)
+        log.error("smetric sim %s: run it as `smetric sim %s` (the replay package provides it)",
+                  args.action, args.action)
+        return 2
     wl = load_workload(args)
     cfg = base_config(args)
     prof = load_profile(args.profile or cfg.profile)

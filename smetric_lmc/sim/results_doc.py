@@ -1,4 +1,4 @@
-"""``smetric sim report``: regenerate docs/results.md, ending with one JSON line.
+"""``smetric sim report --out docs/results.md``: regenerate the results document, ending with one JSON line.
 
 Settings (each policy at its own saturation knee, see knee.py): the `trace1` preset with the global
 tier full, without one, and under PD disaggregation; the WEKA Claude Code trace with and without the
@@ -314,6 +314,9 @@ def variant_losses(m: RegimeMap, bl: tuple[str, ...]) -> str:
 def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     """`size` overrides FULL/QUICK (tests run a tiny one)."""
     size = size or (QUICK if getattr(args, "quick", False) else FULL)
+    if not args.out:  # the installed package does not know where a checkout's docs/ is
+        print("smetric sim report needs --out FILE: where to write the document (docs/results.md in a checkout)")
+        return 2
     trace = Path(args.trace) if args.trace else shared_dir() / "traces" / "weka-claude-code.tar.xz"
     if not trace.exists():
         print(f"trace not found: {trace} (set SMETRIC_SHARED or pass --trace)")
@@ -339,7 +342,7 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
         log.info("results saved to %s (`smetric sim report --rebuild` rewrites the document from them)", cache)
     for kr in [*res.values(), *(k for c in m.cells for k in c.knees)]:
         refresh_flags(kr)
-    out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
+    out = Path(args.out)
     png = heatmap_png(m, out.parent / "img" / "regime_map.png")
     busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
     summary = {
