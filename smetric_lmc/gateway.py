@@ -161,6 +161,26 @@ class Gateway:
         self.metrics = GatewayMetrics(list(self._by_id))
         self.sessions = SessionHints()  # add_header(): a deployment's own session header
 
+    # ---- instances joining and leaving at run time (the drop-in router's discovery) -------------
+    def has_instance(self, iid: str) -> bool:
+        return iid in self._by_id
+
+    def add_instance(self, inst: InstanceConfig) -> None:
+        if inst.id in self._by_id:
+            return
+        self.instances.append(inst)
+        self._by_id[inst.id] = inst
+        if self._reader is not None:
+            self._reader.add_url(inst.http)
+
+    def remove_instance(self, iid: str) -> None:
+        inst = self._by_id.pop(iid, None)
+        if inst is None:
+            return
+        self.instances[:] = [i for i in self.instances if i.id != iid]
+        if self._reader is not None:
+            self._reader.remove_url(inst.http)
+
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20, middlewares=[_json_errors])
@@ -256,6 +276,8 @@ class Gateway:
     async def _proxy(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
         assert self._reader is not None
         self.counters["requests"] += 1
+        if not self.instances:  # all removed at run time (the drop-in router's discovery)
+            return _error(503, "no serving engine discovered yet", "service_unavailable")
         rid = f"gw-{uuid.uuid4().hex}"
         t0 = time.monotonic()
         try:

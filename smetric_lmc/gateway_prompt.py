@@ -191,6 +191,18 @@ class PromptReader:
             self._metrics.untokenized.inc()
         return None
 
+    def add_url(self, url: str) -> None:
+        """Tokenize with one more engine (it joined a running gateway)."""
+        url = url.rstrip("/")
+        if url not in self._latency:
+            self._urls.append(url)
+            self._latency[url] = 0.0
+
+    def remove_url(self, url: str) -> None:
+        url = url.rstrip("/")
+        if self._latency.pop(url, None) is not None:
+            self._urls.remove(url)
+
     def _order(self) -> list[str]:
         k = next(self._calls)
         if k % _EXPLORE == 0:
@@ -199,7 +211,8 @@ class PromptReader:
         return sorted(self._urls, key=self._latency.__getitem__)
 
     def _observe(self, url: str, seconds: float) -> None:
-        self._latency[url] = 0.7 * self._latency[url] + 0.3 * seconds
+        if url in self._latency:  # not when its engine left during the call
+            self._latency[url] = 0.7 * self._latency[url] + 0.3 * seconds
 
 
 class UsageSniffer:

@@ -45,3 +45,42 @@ def test_with_liveness_a_ready_instance_waits_for_its_first_sign_of_life() -> No
     assert "pod" not in m.routable_ids()
     m.seen("pod")
     assert "pod" in m.routable_ids()
+
+
+async def test_poller_and_prompt_reader_follow_joining_and_leaving_engines() -> None:
+    import aiohttp
+    from aiohttp import web
+
+    from smetric_lmc.controller.engine_metrics import RUNNING, EngineMetricsPoller
+    from smetric_lmc.gateway_prompt import PromptReader
+
+    async def metrics(_r: web.Request) -> web.Response:
+        return web.Response(text=f"# TYPE {RUNNING} gauge\n{RUNNING} 0\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    results: list[tuple[str, bool]] = []
+    poller = EngineMetricsPoller({}, LoadTracker(), on_result=lambda iid, ok: results.append((iid, ok)))
+    try:
+        poller.add_target("pod", url + "/")
+        await poller.poll_once()
+        assert results == [("pod", True)] and poller.healthy("pod")
+        poller.remove_target("pod")
+        await poller.poll_once()
+        assert results == [("pod", True)]  # not polled once it left
+        async with aiohttp.ClientSession() as http:
+            reader = PromptReader([], http)
+            reader.add_url(url + "/")
+            reader.add_url(url)  # the same engine: once
+            assert reader._order() == [url]
+            reader.remove_url(url)
+            reader._observe(url, 0.5)  # a tokenize call that ended after its engine left
+            assert reader._urls == []
+    finally:
+        await poller.close()
+        await runner.cleanup()

@@ -22,7 +22,7 @@ import msgspec
 
 from smetric_lmc.config import InstanceConfig
 from smetric_lmc.controller.app import ControllerApp
-from smetric_lmc.gateway import Gateway, _error
+from smetric_lmc.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class DropinController(ControllerApp):
 
 
 class DropinGateway(Gateway):
-    """The bundled gateway, with instances that may change and a 503 while there are none."""
+    """The bundled gateway, started with no instance if discovery has found none yet (instances
+    join and leave through ``Gateway.add_instance`` / ``remove_instance``; none: 503)."""
 
     def __init__(self, cfg: Any, *args: Any, **kw: Any) -> None:
         placeholder = not cfg.instances
@@ -91,37 +92,4 @@ class DropinGateway(Gateway):
             cfg = msgspec.structs.replace(cfg, instances=[InstanceConfig(id="-", http="http://127.0.0.1:9")])
         super().__init__(cfg, *args, **kw)
         if placeholder:
-            self.instances.clear()
-            self._by_id.clear()
-
-    def add_instance(self, inst: InstanceConfig) -> None:
-        if inst.id in self._by_id:
-            return
-        self.instances.append(inst)
-        self._by_id[inst.id] = inst
-        if self._reader is not None:
-            url = inst.http.rstrip("/")
-            self._reader._urls.append(url)
-            self._reader._latency[url] = 0.0
-
-    def remove_instance(self, iid: str) -> None:
-        inst = self._by_id.pop(iid, None)
-        if inst is None:
-            return
-        self.instances[:] = [i for i in self.instances if i.id != iid]
-        if self._reader is not None:
-            url = inst.http.rstrip("/")
-            if url in self._reader._urls:
-                self._reader._urls.remove(url)
-            self._reader._latency.pop(url, None)
-
-    async def _proxy(self, request: Any, kind: Any, path: str) -> Any:
-        if not self.instances:
-            return _error(503, "no serving engine discovered yet", "service_unavailable")
-        return await super()._proxy(request, kind, path)
-
-    async def _startup(self, app: Any) -> None:
-        await super()._startup(app)
-        assert self._reader is not None
-        self._reader._urls[:] = [i.http.rstrip("/") for i in self.instances]
-        self._reader._latency = dict.fromkeys(self._reader._urls, 0.0)
+            self.remove_instance("-")

@@ -183,7 +183,7 @@ class DropinRouter:
         inst = InstanceConfig(id=pod.name, http=url, lmcache_instance_id=pod.name,
                               kv_events=f"tcp://{pod.ip}:{ev}" if ev else None,
                               replay=f"tcp://{pod.ip}:{rp}" if ev and rp else None)
-        if self.controller.has_instance(pod.name) and not pod.ready and pod.name in self.gateway._by_id:
+        if self.controller.has_instance(pod.name) and not pod.ready and self.gateway.has_instance(pod.name):
             self.on_gone(pod.name)  # was Ready, is not any more: out of routing (its index goes too)
         self.models[pod.name] = pod.model or self.cfg.model
         self.created.setdefault(pod.name, pod.created)
@@ -198,7 +198,7 @@ class DropinRouter:
         self.created.pop(name, None)
 
     def routable(self) -> list[str]:
-        return [i for i in self.controller.membership.routable_ids() if i in self.gateway._by_id]
+        return [i for i in self.controller.membership.routable_ids() if self.gateway.has_instance(i)]
 
     # ---- production-stack routes ----------------------------------------------------------------
     async def _health(self, _request: web.Request) -> web.Response:
