@@ -1,9 +1,16 @@
-"""Membership.add / set_ready / remove: instances joining and leaving a running controller."""
+"""Instances joining and leaving a running controller: Membership.add / set_ready / remove, the
+engine-metrics poller's and the gateway's prompt reader's targets."""
 
 from __future__ import annotations
 
+import aiohttp
+from app_helpers import FakeEngine
+from services import free_port
+
 from smetric_lmc.config import InstanceConfig
+from smetric_lmc.controller.engine_metrics import EngineMetricsPoller
 from smetric_lmc.controller.membership import Membership
+from smetric_lmc.gateway_prompt import PromptReader
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 
@@ -48,22 +55,8 @@ def test_with_liveness_a_ready_instance_waits_for_its_first_sign_of_life() -> No
 
 
 async def test_poller_and_prompt_reader_follow_joining_and_leaving_engines() -> None:
-    import aiohttp
-    from aiohttp import web
-
-    from smetric_lmc.controller.engine_metrics import RUNNING, EngineMetricsPoller
-    from smetric_lmc.gateway_prompt import PromptReader
-
-    async def metrics(_r: web.Request) -> web.Response:
-        return web.Response(text=f"# TYPE {RUNNING} gauge\n{RUNNING} 0\n")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    engine = await FakeEngine(free_port()).start()
+    url = f"http://127.0.0.1:{engine.port}"
     results: list[tuple[str, bool]] = []
     poller = EngineMetricsPoller({}, LoadTracker(), on_result=lambda iid, ok: results.append((iid, ok)))
     try:
@@ -72,7 +65,7 @@ async def test_poller_and_prompt_reader_follow_joining_and_leaving_engines() -> 
         assert results == [("pod", True)] and poller.healthy("pod")
         poller.remove_target("pod")
         await poller.poll_once()
-        assert results == [("pod", True)]  # not polled once it left
+        assert results == [("pod", True)] and engine.hits == 1  # not polled once it left
         async with aiohttp.ClientSession() as http:
             reader = PromptReader([], http)
             reader.add_url(url + "/")
@@ -83,4 +76,4 @@ async def test_poller_and_prompt_reader_follow_joining_and_leaving_engines() -> 
             assert reader._urls == []
     finally:
         await poller.close()
-        await runner.cleanup()
+        await engine.stop()
