@@ -207,7 +207,10 @@ class Simulator:
         cap = global_capacity_blocks(cfg.global_tier, prof, self.bs, cfg.instances, self.n_nodes)
         self.gtier: GlobalTier | None = None
         if cap is not None:
-            self.gtier = GlobalTier(cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token)
+            self.gtier = GlobalTier(
+                cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token,
+                fetch_path=cfg.fetch(), call_at=self.push_call, block_tokens=self.bs,
+            )  # fmt: skip
         for k in range(cfg.instances):
             iid = f"i{k:03d}"
             self.index.register_instance(iid)
