@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch-path", help="global-tier retrieve path: a configs/fetch_paths.yaml profile "
                    "(lmcache-mooncake-rdma, lmcache-redis, lmcache-local-cpu, line-rate)")
     p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap, GB/s (overrides the profile's)")
+    p.add_argument("--load-signal", choices=("router", "scrape"),
+                   help="load the policy reads: the router's own in-flight counts or engine metrics scraped periodically")
+    p.add_argument("--scrape-s", type=float, help="scrape period in seconds (--load-signal scrape)")
     p.add_argument("--pd", action="store_true", default=None, help="PD disaggregation (prefill-only instances)")
     p.add_argument("--rate", type=float, help="session arrivals per second (offered load)")
     p.add_argument("--rates", help="comma list of offered loads for sweeps (default: 5 around --rate)")
@@ -108,6 +111,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         global_tier=args.global_tier,
         fetch_path=args.fetch_path,
         fetch_gbs=args.fetch_gbs,
+        load_signal=args.load_signal,
+        scrape_s=args.scrape_s,
         pd=args.pd,
         arrival=args.arrival,
         seed=args.seed,

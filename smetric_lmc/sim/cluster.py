@@ -27,6 +27,7 @@ from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.global_tier import GlobalTier, Links
+from smetric_lmc.sim.load_signal import ScrapedLoadTracker
 from smetric_lmc.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.sim.request import SimRequest
@@ -193,7 +194,10 @@ class Simulator:
         self.bs = workload.block_size
         self.now = 0.0
         self.index = _make_index(self.bs, lambda: self.now)
-        self.load = LoadTracker(clock=lambda: self.now)
+        self.load = (
+            ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
+            else LoadTracker(clock=lambda: self.now)
+        )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
         prof = self.profile
         self.instances: list[Instance] = []
@@ -276,7 +280,7 @@ class Simulator:
         while len(wl) <= w:
             wl.append(np.zeros(len(self.instances)))
             ws.append(0)
-        wl[w] += self.load.loads(self._ids, self.cfg.pd)
+        wl[w] += LoadTracker.loads(self.load, self._ids, self.cfg.pd)  # the true load, whatever the policy sees
         ws[w] += 1
 
     # ---- run -----------------------------------------------------------------------------------

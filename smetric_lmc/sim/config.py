@@ -39,6 +39,10 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # profile's per-request retrieve throughput (the regime map's fetch axis).
     fetch_path: str = "lmcache-mooncake-rdma"
     fetch_gbs: float | None = None
+    # What load the policy reads (sim/load_signal.py): router = the router's own in-flight counts,
+    # exact; scrape = the engines' metrics polled every scrape_s seconds (stale in between).
+    load_signal: Literal["router", "scrape"] = "router"
+    scrape_s: float = 5.0
     pd: bool = False  # PD disaggregation: instances only prefill
     pd_decode_tpot_s: float = 0.020  # decode pace assumed on the separate decode pool (PD mode)
     slo: SLO = msgspec.field(default_factory=SLO)
@@ -76,6 +80,8 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         global_capacity_factor(self.global_tier)  # validates
         if self.fetch_path not in fetch_path_names():
             raise ValueError(f"unknown fetch_path {self.fetch_path!r}; known: {', '.join(fetch_path_names())}")
+        if not self.scrape_s > 0:
+            raise ValueError("scrape_s must be > 0")
         if self.fetch_gbs is not None and not self.fetch_gbs > 0:
             raise ValueError("fetch_gbs must be > 0")
         if self.arrival_window_s <= 0:
