@@ -44,7 +44,7 @@ def _floats(text: str | None) -> list[float] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate"), default="run",
+    p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate", "paper"), default="run",
                    help="run (default); report: regenerate docs/results.md; map: the regime map; calibrate: "
                         "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
@@ -129,6 +129,10 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.results_doc import main_report
 
         return main_report(args)
+    if args.action == "paper":
+        from smetric_lmc.sim.paper import main_paper
+
+        return main_paper(args)
     if args.action == "map":
         from smetric_lmc.sim.map_cli import main_map
 
