@@ -111,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--xs", help="comma list of mean context / KV capacity columns")
     m.add_argument("--tiers", help="comma list of global tiers (none, 0.4, 1.6, full, ...)")
     m.add_argument("--instances", type=int, help="instances per cell")
+    m.add_argument("--fetch-axis", help="map per-request retrieve throughput (comma list of GB/s, 'line' for line "
+                   "rate) x the --tiers instead of context length x tier, e.g. 0.5,1.1,3.2,6.64,line")
     m.add_argument("--out", help="folder for map.md and regime_map.png")
     _common(m)
     pp = _sub(sub, "paper", "The SMetric paper's section 4.1 and 5 setup, baselines tuned on a held-out seed; "
