@@ -408,10 +408,6 @@ def main_paper(args: argparse.Namespace, size: PaperSize | None = None) -> int:
     summary = summary_line(run, rows)
     cmd = "smetric sim paper" + (" --quick" if size is QUICK else "") + f" --jobs {getattr(args, 'jobs', 1) or 1}"
     doc = document(run, rows, summary, cmd, prof)
-    out = Path(getattr(args, "out", None) or Path("docs") / "paper.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc)
-    print(doc)
-    print(f"wrote {out}")
-    print(json.dumps(summary, separators=(",", ":")))
-    return 0
+    from smetric_lmc.sim.results_doc import write_document
+
+    return write_document(Path(getattr(args, "out", None) or Path("docs") / "paper.md"), doc, summary)
