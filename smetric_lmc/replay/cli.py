@@ -109,7 +109,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.set_defaults(func=run_replay)
 
 
-# ---- `smetric sim calibrate` / `smetric sim validate` (registered by smetric_lmc.sim.cli) ----------------
+# ---- `smetric sim calibrate` / `smetric sim validate` (registered by replay/sim_cli.py) ----------------
 def run_calibration_action(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from smetric_lmc.replay.calibrate import calibrate

@@ -1,7 +1,13 @@
-"""``smetric sim``: run the trace-driven cluster simulator.
+"""smetric sim: the trace-driven cluster simulator.
 
-``smetric sim`` alone replays the built-in synthetic agentic workload on a small cluster and prints
-the policy comparison. ``smetric sim report`` writes the WEKA results document (docs/results.md).
+smetric sim (or smetric sim run) replays the built-in synthetic agentic workload on a small cluster
+and prints the policy comparison. Subcommands: run, report (docs/results.md), map (the regime map),
+paper (the SMetric paper's measurements side by side, docs/paper.md), calibrate and validate
+(against real vLLM engines). smetric sim SUBCOMMAND --help lists each one's options. report and
+paper write where --out says (docs/results.md and docs/paper.md in a checkout).
+
+Calibrate and validate drive real engines: the replay package adds them (smetric_lmc.replay.sim_cli
+registers smetric sim), so that the simulator never imports the replay package.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from smetric_lmc.config import POLICY_NAMES, PolicyConfig
@@ -44,51 +51,107 @@ def _floats(text: str | None) -> list[float] | None:
     return [float(x) for x in text.split(",")] if text else None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate"), default="run",
-                   help="run (default); report: regenerate the results document (--out docs/results.md); map: the regime map; calibrate: "
-                        "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
-    p.add_argument("--rebuild", action="store_true", help="report: rewrite the document from the last run's saved results")
-    p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
-    p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
-    p.add_argument("--xs", help="map: comma list of mean context / KV capacity columns")
-    p.add_argument("--tiers", help="map: comma list of global tiers (none, 0.4, 1.6, full, ...)")
-    p.add_argument("--trace", help="trace file/folder/archive (WEKA, Bailian, Mooncake, native); default: synthetic")
+def _common(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    p.add_argument("--profile", help="hardware/model profile: a name under configs/profiles, or a YAML path")
+    p.add_argument("--config", help="simulator defaults YAML (the packaged configs/sim.yaml when not given)")
+    if seed:
+        p.add_argument("--seed", type=int, help="workload and arrival seed")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+
+
+def _fetch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fetch-path", help="how a global-tier hit is retrieved: lmcache-mooncake-rdma (the paper's "
+                   "testbed), lmcache-redis, lmcache-local-cpu or line-rate (configs/fetch_paths.yaml)")
+    p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap in GB/s (overrides the path's)")
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="trace file, folder or archive (WEKA, Bailian, Mooncake, native); "
+                   "without it a synthetic workload is generated")
     p.add_argument("--shared-prefix", action="store_true",
-                   help="WEKA: map each session's system prompt + tools to ids shared across sessions")  # fmt: skip
+                   help="WEKA: map each session's system prompt and tools to ids shared across sessions")
+    p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (weka when not given)")
+    p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset (1 when not given)")
     p.add_argument("--sessions", type=int, help="replay only N root sessions (synthetic: generate N)")
-    p.add_argument("--instances", type=int)
-    p.add_argument("--policies", help=f"comma list (default: all of {','.join(POLICY_NAMES)})")
+    p.add_argument("--instances", type=int, help="instances (16 for the synthetic workload when not given)")
+    p.add_argument("--policies", help=f"comma list of policies (all when not given: {','.join(POLICY_NAMES)})")
     p.add_argument("--global", dest="global_tier", choices=GLOBAL_CHOICES, help="global tier provisioning")
+    _fetch(p)
+    p.add_argument("--load-signal", choices=("router", "scrape"),
+                   help="load the policy reads: the router's own in-flight counts, or engine metrics scraped periodically")
+    p.add_argument("--scrape-s", type=float, help="scrape period in seconds, with --load-signal scrape")
     p.add_argument("--pd", action="store_true", default=None, help="PD disaggregation (prefill-only instances)")
-    p.add_argument("--rate", type=float, help="session arrivals per second (offered load)")
-    p.add_argument("--rates", help="comma list of offered loads for sweeps (default: 5 around --rate)")
-    p.add_argument("--arrival", choices=("closed", "open"))
+    p.add_argument("--rate", type=float, help="session arrivals per second, the offered load")
+    p.add_argument("--rates", help="comma list of offered loads for sweeps (5 around --rate when not given)")
+    p.add_argument("--arrival", choices=("closed", "open"), help="closed: next request after the previous one's "
+                   "completion and think time; open: at the recorded offsets")
     p.add_argument("--sweep", action="append", choices=KNOBS, help="sweep a knob (repeatable)")
     p.add_argument("--values", help="comma list of knob values for a single --sweep")
-    p.add_argument("--profile", help="profile name (configs/profiles) or YAML path")
-    p.add_argument("--config", help="sim defaults YAML (default: configs/sim.yaml)")
-    p.add_argument("--out", help="folder for plots + report.md (run); results file (report)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes for sweeps")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--out", help="folder for the plots, report.md and summaries.json")
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
+    _common(p)
 
 
-ActionHandler = Callable[[argparse.Namespace], int]
+@dataclass(frozen=True)
+class ExtraAction:
+    """A ``smetric sim`` subcommand that a package above the simulator provides (the replay
+    package's calibrate and validate), handed in so that the simulator does not import it."""
+
+    name: str
+    text: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction, *,
-                    extra_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-                    actions: dict[str, ActionHandler] | None = None) -> None:
-    """Add `sim`; ``extra_arguments`` and ``actions`` come from packages above the simulator (the
-    replay package adds calibrate and validate, which drive real engines: sim never imports it)."""
+def _sub(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text)  # type: ignore[no-any-return]
+
+
+def add_arguments(p: argparse.ArgumentParser, extra: Sequence[ExtraAction] = ()) -> None:
+    """``smetric sim`` and its subcommands; with no subcommand, ``sim`` is ``sim run``."""
+    _run_arguments(p)
+    names = ["run", "report", "map", *(a.name for a in extra), "paper"]
+    sub = p.add_subparsers(dest="action", metavar="{" + ",".join(names) + "}")
+    _run_arguments(_sub(sub, "run", "Replay a workload on a simulated cluster and compare the routing policies "
+                                    "(what plain smetric sim does)."))
+    r = _sub(sub, "report", "Regenerate the results document (--out; docs/results.md in a checkout): every policy "
+                            "over an offered-load sweep on the WEKA trace and the trace1 preset, with and without a "
+                            "global tier and under PD, plus the regime map.")
+    r.add_argument("--quick", action="store_true", help="the same pipeline on reduced sizes")
+    r.add_argument("--rebuild", action="store_true", help="rewrite the document from the last run's saved results")
+    r.add_argument("--trace", help="the WEKA trace (SMETRIC_SHARED/traces/weka-claude-code.tar.xz when not given)")
+    r.add_argument("--shared-prefix", action="store_true", help="WEKA: shared system-prompt ids across sessions")
+    r.add_argument("--out", metavar="FILE", help="the document to write, required (docs/results.md in a checkout; "
+                   "the regime map's PNG goes to img/ beside it)")
+    _common(r)
+    m = _sub(sub, "map", "The regime map: SMetric and the variant vs the best baseline over context length x "
+                         "global-tier provisioning.")
+    m.add_argument("--quick", action="store_true", help="reduced sizes")
+    m.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (trace1 when not given)")
+    m.add_argument("--xs", help="comma list of mean context / KV capacity columns")
+    m.add_argument("--tiers", help="comma list of global tiers (none, 0.4, 1.6, full, ...)")
+    m.add_argument("--instances", type=int, help="instances per cell")
+    m.add_argument("--fetch-axis", help="map per-request retrieve throughput (comma list of GB/s, 'line' for line "
+                   "rate) x the --tiers instead of context length x tier, e.g. 0.5,1.1,3.2,6.64,line")
+    m.add_argument("--out", help="folder for map.md and regime_map.png")
+    _common(m)
+    for a in extra:
+        a.arguments(_sub(sub, a.name, a.text))
+    pp = _sub(sub, "paper", "The SMetric paper's section 4.1 and 5 setup, baselines tuned on a held-out seed; "
+                            "writes the document --out names (docs/paper.md in a checkout), one row per published "
+                            "quantity, and one JSON line.")
+    pp.add_argument("--quick", action="store_true", help="8 instances and smaller grids instead of 32")
+    pp.add_argument("--out", metavar="FILE", help="the document to write, required (docs/paper.md in a checkout)")
+    pp.add_argument("--fetch-path", help="the global tier's retrieve path (lmcache-mooncake-rdma when not given)")
+    _common(pp, seed=False)  # its seeds are fixed: tuned on seed 1, judged on seed 0
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction, extra: Sequence[ExtraAction] = ()) -> None:
+    """Add ``sim`` under ``subparsers``; ``extra`` subcommands come from packages above the simulator."""
     p = subparsers.add_parser("sim", help="trace-driven cluster simulator (policy comparison, sweeps, reports)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    if extra_arguments is not None:
-        extra_arguments(p)
-    p.set_defaults(func=main_args, action_handlers=dict(actions or {}))
+    add_arguments(p, extra)
+    p.set_defaults(func=main_args, extra_actions={a.name: a.run for a in extra})
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
@@ -110,6 +173,10 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         instances=args.instances or (DEFAULT_SYNTH_INSTANCES if synth else None),
         rate=args.rate or (DEFAULT_SYNTH_RATE if synth else None),
         global_tier=args.global_tier,
+        fetch_path=args.fetch_path,
+        fetch_gbs=args.fetch_gbs,
+        load_signal=args.load_signal,
+        scrape_s=args.scrape_s,
         pd=args.pd,
         arrival=args.arrival,
         seed=args.seed,
@@ -122,24 +189,29 @@ def summaries_json(results: dict[str, SimResult]) -> str:
 
 
 def main_args(args: argparse.Namespace) -> int:
+    if args.action in (None, "run"):
+        args.action = "run"
     if args.action == "report":
         from smetric_lmc.sim.results_doc import main_report
 
         return main_report(args)
+    if args.action == "paper":
+        from smetric_lmc.sim.paper import main_paper
+
+        return main_paper(args)
     if args.action == "map":
         from smetric_lmc.sim.map_cli import main_map
 
         return main_map(args)
-    handler = getattr(args, "action_handlers", {}).get(args.action)
+    handler = getattr(args, "extra_actions", {}).get(args.action)
     if handler is not None:
         return handler(args)
-    if args.action in ("calibrate", "validate"):
-        log.error("smetric sim %s: run it as `smetric sim %s` (the replay package provides it)",
-                  args.action, args.action)
-        return 2
+    try:
+        cfg = base_config(args)
+        prof = load_profile(args.profile or cfg.profile)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"smetric sim: {e}") from None
     wl = load_workload(args)
-    cfg = base_config(args)
-    prof = load_profile(args.profile or cfg.profile)
     pols = _policies(args.policies)
     print(f"workload {wl.name}: {wl.n_requests} requests in {len(wl.sessions)} sessions; "
           f"{cfg.instances} instances ({prof.name}), {cfg.rate:g} sessions/s, global tier {cfg.global_tier}, "
