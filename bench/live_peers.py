@@ -209,6 +209,16 @@ class Router:
             time.sleep(0.3)
         raise RuntimeError(f"{self.conf.name} not up after 60 s")
 
+    def policy_log(self) -> list[str]:
+        """The router's own log lines naming the policy it runs (peers only)."""
+        import re
+
+        path = self.workdir / "router.log"
+        if self.conf.family == "ours" or not path.exists():
+            return []
+        text = re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace"))
+        return [ln[-220:] for ln in text.splitlines() if "Assigning policy" in ln or "policy: " in ln][:2]
+
     def cpu_s(self) -> float:
         return _cpu_s([p for p in (g.pid for g in self.groups) if p])
 
@@ -329,7 +339,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
             "per_instance_requests": delta("requests_ok"),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
-            "counters": counters, "argv": router.argv}
+            "counters": counters, "policy_log": router.policy_log(), "argv": router.argv}
 
 
 async def _latency(direct: str, via: str, n: int, rate: float) -> tuple[list[float], list[float]]:
