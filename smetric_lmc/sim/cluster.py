@@ -27,6 +27,7 @@ from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.global_tier import GlobalTier, Links
+from smetric_lmc.sim.load_signal import ScrapedLoadTracker
 from smetric_lmc.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.sim.request import SimRequest
@@ -193,7 +194,10 @@ class Simulator:
         self.bs = workload.block_size
         self.now = 0.0
         self.index = _make_index(self.bs, lambda: self.now)
-        self.load = LoadTracker(clock=lambda: self.now)
+        self.load = (
+            ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
+            else LoadTracker(clock=lambda: self.now)
+        )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
         prof = self.profile
         self.instances: list[Instance] = []
@@ -207,7 +211,10 @@ class Simulator:
         cap = global_capacity_blocks(cfg.global_tier, prof, self.bs, cfg.instances, self.n_nodes)
         self.gtier: GlobalTier | None = None
         if cap is not None:
-            self.gtier = GlobalTier(cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token)
+            self.gtier = GlobalTier(
+                cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token,
+                fetch_path=cfg.fetch(), call_at=self.push_call, block_tokens=self.bs,
+            )  # fmt: skip
         for k in range(cfg.instances):
             iid = f"i{k:03d}"
             self.index.register_instance(iid)
@@ -273,7 +280,7 @@ class Simulator:
         while len(wl) <= w:
             wl.append(np.zeros(len(self.instances)))
             ws.append(0)
-        wl[w] += self.load.loads(self._ids, self.cfg.pd)
+        wl[w] += LoadTracker.loads(self.load, self._ids, self.cfg.pd)  # the true load, whatever the policy sees
         ws[w] += 1
 
     # ---- run -----------------------------------------------------------------------------------
@@ -414,9 +421,11 @@ class Simulator:
         r.inst = inst
         self._sample_load(t)
         r.reason = routed.reason.value
-        if tr.turn == 0:
+        if tr.turn == 0 or sess.first_inst < 0:
+            # a fork or sub-agent starts at turn > 0 (it carries its parent's turns): its own first
+            # request places it, and is not one of its follow-ups
             sess.first_inst = inst.pos
-        if tr.turn > 0:
+        else:
             r.sticky = int(inst.pos == sess.first_inst)
         # What to load from the global tier is decided when the engine admits the request.
         inst.enqueue(r, t)
