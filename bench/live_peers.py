@@ -84,12 +84,10 @@ def tuning_confs() -> list[RouterConf]:
     their defaults)."""
     out: list[RouterConf] = []
     for fam in ("vllm", "sglang"):
-        for thr in ("0.1", "0.6"):
-            for bal in ("4", "16"):
-                out.append(RouterConf(fam, "cache_aware", (("--cache-threshold", thr),
-                                                          ("--balance-abs-threshold", bal)), True))
-    for ext in ("0.3", "0.9"):
-        out.append(RouterConf("vllm", "kv_aware", (("--kv-penalty-external", ext),), True))
+        for thr, bal in (("0.1", "4"), ("0.6", "16")):
+            out.append(RouterConf(fam, "cache_aware", (("--cache-threshold", thr),
+                                                      ("--balance-abs-threshold", bal)), True))
+    out.append(RouterConf("vllm", "kv_aware", (("--kv-penalty-external", "0.9"),), True))
     out.append(RouterConf("vllm", "kv_aware", (("--kv-aware-session-affinity-ttl-secs", "60"),), True))
     return out
 
@@ -107,8 +105,8 @@ class Mode:
 
 
 MODES = {
-    "full": Mode(16, ("trace1", "weka"), (0.4, 0.8, 1.6, 3.2), 48, 0.05, True, 600),
-    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 12, 0.05, False, 100, fresh_per_load=False),
+    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 6.0), 20, 0.05, True, 300, fresh_per_load=False),
+    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 

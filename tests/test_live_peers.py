@@ -55,3 +55,34 @@ def test_every_router_routes_the_mock_cluster(tmp_path: Path) -> None:
     by = {(r["router"], r["rate"]): r for r in rows}
     rr = by[("vllm:round_robin", 0.5)]["per_instance_requests"]
     assert max(rr) - min(rr) <= 1
+
+
+def test_the_endpoints_peers_discover_and_tokenize_with() -> None:
+    """What the peers call besides generation, answered as vLLM 0.32 / SGLang workers answer it."""
+    import asyncio
+
+    import aiohttp
+
+    from smetric_lmc.mock_engine.cli import options, running_mocks
+    from smetric_lmc.mock_engine.server import encode_text, render_chat
+
+    async def main() -> None:
+        async with running_mocks(options(instances=1, block_size=16)) as mocks, aiohttp.ClientSession() as s:
+            url = mocks[0][0].http_url
+            msgs = [{"role": "user", "content": "hi there"}]
+            async with s.post(f"{url}/v1/chat/completions/render", json={"model": "tiny", "messages": msgs}) as r:
+                assert r.status == 200
+                assert (await r.json())["token_ids"] == encode_text(render_chat(msgs))
+            async with s.post(f"{url}/v1/completions/render", json={"model": "tiny", "prompt": "abc"}) as r:
+                assert [x["token_ids"] for x in await r.json()] == [[97, 98, 99]]
+            async with s.post(f"{url}/v1/completions/render", json={"prompt": 5}) as r:
+                assert r.status == 400
+            for path in ("/server_info", "/get_server_info"):
+                async with s.get(url + path) as r:
+                    info = await r.json()
+                    assert info["kv_block_size"] == 16 and info["model_id"] == "tiny"
+            for path in ("/model_info", "/get_model_info"):
+                async with s.get(url + path) as r:
+                    assert (await r.json())["model_path"] == "tiny"
+
+    asyncio.run(main())

@@ -147,25 +147,22 @@ class MockEngineServer:
     async def _render_chat(self, request: web.Request) -> web.Response:
         """``POST /v1/chat/completions/render`` (vLLM 0.32): the rendered chat prompt's token ids,
         which vLLM's router tokenizes requests with."""
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            ids = _chat_ids(body)
-        except (ValueError, BadRequest) as exc:
-            return _error(400, str(exc))
-        return web.json_response(self._generate_request(body, ids))
+        return await self._render(request, chat=True)
 
     async def _render_completion(self, request: web.Request) -> web.Response:
         """``POST /v1/completions/render``: one ``GenerateRequest`` per prompt (here: one)."""
+        return await self._render(request, chat=False)
+
+    async def _render(self, request: web.Request, chat: bool) -> web.Response:
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            ids = _prompt_ids(body)
+            ids = _chat_ids(body) if chat else _prompt_ids(body)
         except (ValueError, BadRequest) as exc:
             return _error(400, str(exc))
-        return web.json_response([self._generate_request(body, ids)])
+        req = self._generate_request(body, ids)
+        return web.json_response(req if chat else [req])
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.core, self.model), content_type="text/plain")
