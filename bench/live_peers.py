@@ -134,9 +134,10 @@ def _cpu_s(pids: Sequence[int]) -> float:
     return total
 
 
-def _steal() -> float:
+def _cpu_ticks() -> tuple[float, float]:
+    """The machine's (steal, total) CPU ticks so far (``/proc/stat``)."""
     f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return float(f[7]) / max(1.0, sum(float(x) for x in f))
+    return float(f[7]), sum(float(x) for x in f)
 
 
 class Router:
@@ -312,7 +313,7 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
 def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_name: str, wl: Workload,
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
-    cpu0, steal0, t0 = router.cpu_s(), _steal(), time.monotonic()
+    cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
     sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions
     cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
                        output_scale=mode.context_scale, max_output=mode.max_output, time_scale=0.05,
@@ -323,7 +324,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     records = replay(wl, cfg)
     wall = time.monotonic() - t0
     cpu = router.cpu_s() - cpu0
-    steal = _steal() - steal0
+    ticks = _cpu_ticks()
+    steal = (ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])  # the machine's steal share in the run
     res = summarize_records(records, load_sim_config(None), conf.name).summary
     after = engine_stats(infos)
     counters = summarize_counters(router_counters(router.metrics_url, conf.family))
