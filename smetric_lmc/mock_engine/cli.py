@@ -27,8 +27,10 @@ from aiohttp import web
 
 from smetric_lmc.mock_engine.core import MockEngineCore
 from smetric_lmc.mock_engine.kv_events import KVEventPublisher
+from smetric_lmc.mock_engine.retrieve import LOCAL_CPU_PATH, CostsFile, MockClock, RetrieveCosts, SharedTiers
 from smetric_lmc.mock_engine.server import MockEngineServer
-from smetric_lmc.sim.profile import DEFAULT_PROFILE, load_profile
+from smetric_lmc.sim.fetch_path import DEFAULT_FETCH_PATH, fetch_path_names, load_fetch_path
+from smetric_lmc.sim.profile import DEFAULT_PROFILE, GIB, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,13 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
     host = args.host
     runners: list[web.AppRunner] = []
     out: list[tuple[MockInstance, MockEngineCore]] = []
+    clock = MockClock(args.speed)
+    tiers = shared_tiers(args, profile, clock)
+    watcher: asyncio.Task[None] | None = None
+    if args.retrieve_file:
+        if tiers is None:
+            raise ValueError("--retrieve-file needs a tier to fetch from (--global-gib or --local-cpu-gib)")
+        watcher = asyncio.get_running_loop().create_task(CostsFile(Path(args.retrieve_file), [tiers]).watch())
     try:
         for i in range(args.instances):
             iid = f"{args.id_prefix}-{args.first_index + i}"
@@ -79,7 +88,8 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
             core = MockEngineCore(
                 iid, profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                 max_model_len=args.max_model_len, speed=args.speed, stream_interval=args.stream_interval,
-                hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub)
+                hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub, clock=clock,
+                tiers=tiers.view(i) if tiers is not None else None)
             pub.start()
             runner = web.AppRunner(MockEngineServer(core, args.served_model_name).app(), access_log=None)
             await runner.setup()
@@ -92,11 +102,35 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
             out.append((info, core))
         yield out
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for runner in runners:
             await runner.cleanup()
         for _, core in out:
             if core.publisher is not None:
                 await core.publisher.close()
+
+
+def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock) -> SharedTiers | None:
+    """The process's global tier and its instances' local CPU tiers, as the options say (None when
+    neither is asked for: vLLM engines alone, no LMCache)."""
+    if args.global_gib < 0 or args.local_cpu_gib < 0:
+        raise ValueError("--global-gib and --local-cpu-gib must be >= 0")
+    if not args.global_gib and not args.local_cpu_gib:
+        return None
+    bpb = args.block_size * profile.kv_bytes_per_token
+    costs = RetrieveCosts(load_fetch_path(args.fetch_path), load_fetch_path(args.local_fetch_path))
+    # Explicit numbers override the profiles' (as POST /mock/retrieve would).
+    change: dict[str, dict[str, float]] = {}
+    for tier, prefix in (("global", "retrieve"), ("local_cpu", "local")):
+        for key in ("gbps", "chunk_ms", "lookup_ms"):
+            v = getattr(args, f"{prefix}_{key}")
+            if v is not None:
+                change.setdefault(tier, {})[key] = v
+    costs = costs.updated(change)
+    return SharedTiers(profile, args.block_size, args.instances, clock,
+                       global_blocks=int(args.global_gib * GIB // bpb),
+                       local_cpu_blocks=int(args.local_cpu_gib * GIB // bpb), costs=costs)
 
 
 def options(**overrides: Any) -> argparse.Namespace:
@@ -163,6 +197,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id-prefix", default="mock")
     p.add_argument("--first-index", type=int, default=0)
     p.add_argument("--ready-file", default=None, help="write the instances' JSON here once all listen")
+    t = p.add_argument_group("KV tiers beyond the GPU (LMCache): off unless a size is given")
+    t.add_argument("--global-gib", type=float, default=0.0,
+                   help="global tier shared by this process's instances, GiB (0: none)")
+    t.add_argument("--local-cpu-gib", type=float, default=0.0, help="local CPU tier per instance, GiB (0: none)")
+    names = fetch_path_names()
+    t.add_argument("--fetch-path", default=DEFAULT_FETCH_PATH, choices=names,
+                   help="global tier's retrieve path: a simulator fetch-path profile (configs/fetch_paths.yaml)")
+    t.add_argument("--local-fetch-path", default=LOCAL_CPU_PATH, choices=names,
+                   help="local CPU tier's retrieve path (a fetch-path profile)")
+    t.add_argument("--retrieve-gbps", type=float, default=None,
+                   help="global tier: per-request retrieve throughput, GB/s (0: links only; default: the profile's)")
+    t.add_argument("--retrieve-chunk-ms", type=float, default=None, help="global tier: cost per 256-token chunk, ms")
+    t.add_argument("--retrieve-lookup-ms", type=float, default=None, help="global tier: lookup per request, ms")
+    t.add_argument("--local-gbps", type=float, default=None, help="local CPU tier: per-request throughput, GB/s")
+    t.add_argument("--local-chunk-ms", type=float, default=None, help="local CPU tier: cost per chunk, ms")
+    t.add_argument("--local-lookup-ms", type=float, default=None, help="local CPU tier: lookup, ms")
+    t.add_argument("--retrieve-file", default=None,
+                   help="JSON file of retrieve-cost changes, re-read whenever it changes (as POST /mock/retrieve)")
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
