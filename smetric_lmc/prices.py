@@ -235,6 +235,7 @@ class InstancePrices:
     decode_us: float
     decode_us_per_req: float
     observations: int = 0
+    mean_output: float = 0.0  # output tokens of a mean answer (0: none reported yet)
 
     def prefill_token_us(self, context: int) -> float:
         """µs to compute one token of a request with ``context`` tokens."""
@@ -250,18 +251,22 @@ def _nonneg(v: float) -> float:
 
 
 class InstanceEstimator:
-    __slots__ = ("ttft", "tpot", "_cache")
+    __slots__ = ("ttft", "tpot", "mean_output", "_cache")
 
     def __init__(self, cfg: EstimatorConfig) -> None:
         pr = {**DEFAULT_PRIORS, **cfg.priors}
         self.ttft = TwoRateRLS([pr[k] for k in TTFT_PRICES], cfg)
         self.tpot = TwoRateRLS([pr[k] for k in TPOT_PRICES], cfg)
+        self.mean_output = 0.0
         self._cache: InstancePrices | None = None
 
     def observe(self, o: Observation) -> None:
         if not (o.ttft_s > 0 and math.isfinite(o.ttft_s)) or o.prompt_tokens <= 0:
             return
         self.ttft.update(ttft_features(o), o.ttft_s * 1e6)
+        if o.output_tokens > 0:
+            m = self.mean_output
+            self.mean_output = float(o.output_tokens) if m == 0 else m + 0.02 * (o.output_tokens - m)
         if o.e2e_s is not None and o.output_tokens > 1 and math.isfinite(o.e2e_s) and o.e2e_s > o.ttft_s:
             self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight)
         self._cache = None
@@ -276,7 +281,7 @@ class InstanceEstimator:
         # Negative fits (a price the data cannot separate from noise yet) count as free, never as a gain.
         if self._cache is None:
             vals = [_nonneg(float(v)) for v in (*self.ttft.theta, *self.tpot.theta)]
-            self._cache = InstancePrices(*vals, observations=self.ttft.n)
+            self._cache = InstancePrices(*vals, observations=self.ttft.n, mean_output=self.mean_output)
         return self._cache
 
     def confidence(self) -> dict[str, float]:
@@ -326,6 +331,8 @@ class PriceBook:
                 "prices": {k: round(getattr(p, k), 3) for k in PRICE_NAMES},
                 "rel_std": e.confidence(),
                 "observations": p.observations,
+                "mean_output": round(p.mean_output, 1),
+                "switches": e.ttft.switches,
                 "noise": round(float(e.ttft.noise), 4),
             }
 
