@@ -74,6 +74,8 @@ from .metrics import (
     StateCollector,
     SubscriberState,
 )
+from .prices import PriceCollector
+from .prices import make_feed as make_price_feed
 from .replicas import LoadShare
 from .service import RouteCore, RouteService
 
@@ -147,8 +149,10 @@ class ControllerApp:
         self.trimmer = Trimmer()  # periodic, gated malloc_trim (controller/memory.py)
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
+        self.router.prices = make_price_feed(cfg.policy)  # learns each instance's prices from done reports
         self.metrics = ControllerMetrics()
         self.metrics.add_collector(StateCollector(self.snapshot))
+        self.metrics.add_collector(PriceCollector(self.router.prices))
         self.core = RouteCore(
             self.index,
             self.load,
