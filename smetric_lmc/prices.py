@@ -19,8 +19,9 @@ after ``ln 2 / -ln forget`` later ones; 0.995 -> ~140 per instance), Huber weigh
 scaled by a robust running noise estimate (one outlier moves a price by at most ``huber_k`` noise
 widths' worth), equations divided by the predicted time (noise grows with the request), and a prior
 for a cold start (the configured policy's prices, each with a prior standard deviation of
-``prior_rel_std`` of its value). The covariance is capped at the prior's after forgetting, so an
-unexcited price drifts back to no more uncertainty than the prior had (no wind-up).
+``prior_rel_std`` of its value). After forgetting, each price's variance is capped at
+``prior_rel_std`` of the larger of its prior and its estimate, so an unexcited price drifts back to
+no more uncertainty than the prior had (no wind-up).
 
 A step change in a price (the fetch path slowing 4x) is followed by a fast shadow fit
 (``fast_forget``): when it has predicted clearly better than the slow one for a while, the slow one
@@ -159,8 +160,11 @@ class RobustRLS:
         self.t = self.t + gain * r
         P = (self.P - np.outer(gain, Px)) / self._forget
         P = 0.5 * (P + P.T)
-        # cap at the prior (no wind-up along directions the data does not excite); keeps P symmetric PSD
-        sc = np.minimum(1.0, np.sqrt(self._cap / np.maximum(np.diag(P), 1e-30)))
+        # cap at the prior's relative uncertainty, of the prior or of the estimate whichever is larger
+        # (no wind-up along directions the data does not excite; a price 40x its prior is not held to
+        # the prior's absolute width); scaling rows and columns keeps P symmetric PSD
+        cap = self._cap * np.maximum(1.0, self.t * self.t)
+        sc = np.minimum(1.0, np.sqrt(cap / np.maximum(np.diag(P), 1e-30)))
         self.P = P * np.outer(sc, sc)
         # robust noise scale: an outlier moves it by at most its clipped size
         clipped = min(abs(r), 3.0 * self.noise)
