@@ -27,7 +27,8 @@ def ids(n: int, key: int, step: int = 1) -> np.ndarray:
 
 
 def cfg(**kw: object):  # noqa: ANN201 - test helper
-    base = dict(instances=1, rate=1.0, measure="run", seed=1, arrival="open", global_tier="full")
+    # link physics: the line-rate fetch path (no lookup, no per-request cap); fetch paths: test_fetch_path.py
+    base = dict(instances=1, rate=1.0, measure="run", seed=1, arrival="open", global_tier="full", fetch_path="line-rate")
     base.update(kw)
     return load_sim_config(**base)
 
@@ -73,8 +74,9 @@ def test_sync_fetch_stalls_the_batch_async_does_not() -> None:
     assert glob == glob_a == 40 * BS
     # the co-batched decode finishes later by exactly the transfer time under sync, not under async
     assert dec_sync - dec_async == pytest.approx(transfer, rel=1e-3)
-    # stalls: the decode request's own store (15 blocks, both modes) plus, under sync, the load
-    store = 15 * BS * prof.kv_bytes_per_token / prof.host_link_bytes_per_s
+    # stalls: the decode request's own store (its 15 blocks: 12 in whole 256-token LMCache chunks,
+    # both modes) plus, under sync, the load
+    store = 12 * BS * prof.kv_bytes_per_token / prof.host_link_bytes_per_s
     assert asyn.instances[0].stall_time == pytest.approx(store, rel=1e-6)
     assert sync.instances[0].stall_time == pytest.approx(store + transfer, rel=1e-6)
     # the fetching request itself waits in both modes
@@ -133,7 +135,8 @@ def test_store_is_charged_on_the_step() -> None:
     req = TraceRequest(0.0, 5000, 1, ids(5000 // BS, 1), turn=0)
     wl = Workload("w", BS, [TraceSession("s", [req])])
     compute = prof.iteration_time([(5000, 0)], 0, 0)
-    store = (5000 // BS) * BS * prof.kv_bytes_per_token / prof.host_link_bytes_per_s
+    stored_blocks = (5000 // 256) * 256 // BS  # whole 256-token LMCache chunks only
+    store = stored_blocks * BS * prof.kv_bytes_per_token / prof.host_link_bytes_per_s
     ttft = {}
     for tier, mode in (("none", "sync"), ("full", "sync"), ("full", "layerwise")):
         sim = Simulator(wl, cfg(global_tier=tier, kv_load_mode=mode), PolicyConfig(name="smetric"), prof)
@@ -141,7 +144,7 @@ def test_store_is_charged_on_the_step() -> None:
         ttft[tier, mode] = res.summary["ttft_p50"]
         if tier == "full":
             assert res.summary["stored_gb"] == pytest.approx(store * prof.host_link_bytes_per_s / 1e9)
-            assert sim.gtier is not None and sim.gtier.cache.used == 5000 // BS
+            assert sim.gtier is not None and sim.gtier.cache.used == stored_blocks
     assert ttft["none", "sync"] == pytest.approx(compute)
     assert ttft["full", "sync"] == pytest.approx(compute + store)  # wait_for_save on the step
     assert ttft["full", "layerwise"] == pytest.approx(max(compute, store + compute / prof.layers))

@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int)
     p.add_argument("--policies", help=f"comma list (default: all of {','.join(POLICY_NAMES)})")
     p.add_argument("--global", dest="global_tier", choices=GLOBAL_CHOICES, help="global tier provisioning")
+    p.add_argument("--fetch-path", help="global-tier retrieve path: a configs/fetch_paths.yaml profile "
+                   "(lmcache-mooncake-rdma, lmcache-redis, lmcache-local-cpu, line-rate)")
+    p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap, GB/s (overrides the profile's)")
+    p.add_argument("--load-signal", choices=("router", "scrape"),
+                   help="load the policy reads: the router's own in-flight counts or engine metrics scraped periodically")
+    p.add_argument("--scrape-s", type=float, help="scrape period in seconds (--load-signal scrape)")
     p.add_argument("--pd", action="store_true", default=None, help="PD disaggregation (prefill-only instances)")
     p.add_argument("--rate", type=float, help="session arrivals per second (offered load)")
     p.add_argument("--rates", help="comma list of offered loads for sweeps (default: 5 around --rate)")
@@ -103,6 +109,10 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         instances=args.instances or (DEFAULT_SYNTH_INSTANCES if synth else None),
         rate=args.rate or (DEFAULT_SYNTH_RATE if synth else None),
         global_tier=args.global_tier,
+        fetch_path=args.fetch_path,
+        fetch_gbs=args.fetch_gbs,
+        load_signal=args.load_signal,
+        scrape_s=args.scrape_s,
         pd=args.pd,
         arrival=args.arrival,
         seed=args.seed,
@@ -127,9 +137,12 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.replay.cli import run_calibration_action
 
         return run_calibration_action(args)
+    try:
+        cfg = base_config(args)
+        prof = load_profile(args.profile or cfg.profile)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"smetric sim: {e}") from None
     wl = load_workload(args)
-    cfg = base_config(args)
-    prof = load_profile(args.profile or cfg.profile)
     pols = _policies(args.policies)
     print(f"workload {wl.name}: {wl.n_requests} requests in {len(wl.sessions)} sessions; "
           f"{cfg.instances} instances ({prof.name}), {cfg.rate:g} sessions/s, global tier {cfg.global_tier}, "

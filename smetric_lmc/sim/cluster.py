@@ -28,6 +28,7 @@ from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.sim.engine import Instance
 from smetric_lmc.sim.global_tier import GlobalTier, Links
+from smetric_lmc.sim.load_signal import ScrapedLoadTracker
 from smetric_lmc.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.sim.profile import Profile, load_profile
 from smetric_lmc.sim.request import SimRequest
@@ -194,7 +195,10 @@ class Simulator:
         self.bs = workload.block_size
         self.now = 0.0
         self.index = _make_index(self.bs, lambda: self.now)
-        self.load = LoadTracker(clock=lambda: self.now)
+        self.load = (
+            ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
+            else LoadTracker(clock=lambda: self.now)
+        )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
         self.price_feed = prices_hook.attach(self.router, policy)  # learns prices from done reports only
         prof = self.profile
@@ -209,7 +213,10 @@ class Simulator:
         cap = global_capacity_blocks(cfg.global_tier, prof, self.bs, cfg.instances, self.n_nodes)
         self.gtier: GlobalTier | None = None
         if cap is not None:
-            self.gtier = GlobalTier(cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token)
+            self.gtier = GlobalTier(
+                cap, self.index, self.net, self.links, self.bs * prof.kv_bytes_per_token,
+                fetch_path=cfg.fetch(), call_at=self.push_call, block_tokens=self.bs,
+            )  # fmt: skip
         for k in range(cfg.instances):
             iid = f"i{k:03d}"
             self.index.register_instance(iid)
@@ -275,7 +282,7 @@ class Simulator:
         while len(wl) <= w:
             wl.append(np.zeros(len(self.instances)))
             ws.append(0)
-        wl[w] += self.load.loads(self._ids, self.cfg.pd)
+        wl[w] += LoadTracker.loads(self.load, self._ids, self.cfg.pd)  # the true load, whatever the policy sees
         ws[w] += 1
 
     # ---- run -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from smetric_lmc.config import packaged_config, parse_as, read_yaml
+from smetric_lmc.sim.fetch_path import FetchPath, fetch_path_names, load_fetch_path
 from smetric_lmc.sim.profile import Profile
 
 GLOBAL_CHOICES = ("none", "0.4", "0.8", "1.6", "full")
@@ -33,6 +34,15 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # LMCacheConnectorV1 does), layerwise = overlapped with compute layer by layer, async = only the
     # fetching request waits.
     kv_load_mode: Literal["sync", "layerwise", "async"] = "sync"
+    # How a global-tier hit is retrieved (configs/fetch_paths.yaml; docs/simulator.md cites each
+    # constant): LMCache + Mooncake over RDMA is the paper's testbed. fetch_gbs overrides the
+    # profile's per-request retrieve throughput (the regime map's fetch axis).
+    fetch_path: str = "lmcache-mooncake-rdma"
+    fetch_gbs: float | None = None
+    # What load the policy reads (sim/load_signal.py): router = the router's own in-flight counts,
+    # exact; scrape = the engines' metrics polled every scrape_s seconds (stale in between).
+    load_signal: Literal["router", "scrape"] = "router"
+    scrape_s: float = 5.0
     pd: bool = False  # PD disaggregation: instances only prefill
     pd_decode_tpot_s: float = 0.020  # decode pace assumed on the separate decode pool (PD mode)
     slo: SLO = msgspec.field(default_factory=SLO)
@@ -68,10 +78,20 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.rate <= 0:
             raise ValueError("rate must be > 0")
         global_capacity_factor(self.global_tier)  # validates
+        if self.fetch_path not in fetch_path_names():
+            raise ValueError(f"unknown fetch_path {self.fetch_path!r}; known: {', '.join(fetch_path_names())}")
+        if not self.scrape_s > 0:
+            raise ValueError("scrape_s must be > 0")
+        if self.fetch_gbs is not None and not self.fetch_gbs > 0:
+            raise ValueError("fetch_gbs must be > 0")
         if self.arrival_window_s <= 0:
             raise ValueError("arrival_window_s must be > 0")
         if not 0 <= self.warmup_share < 1:
             raise ValueError("warmup_share must be within [0, 1)")
+
+    def fetch(self) -> FetchPath:
+        fp = load_fetch_path(self.fetch_path)
+        return fp.with_request_gbs(self.fetch_gbs) if self.fetch_gbs is not None else fp
 
     @property
     def has_global(self) -> bool:

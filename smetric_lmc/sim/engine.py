@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from smetric_lmc.sim.cache import PrefixCache
-from smetric_lmc.sim.global_tier import GlobalTier
+from smetric_lmc.sim.global_tier import GlobalTier, Put
 from smetric_lmc.sim.profile import Profile
 from smetric_lmc.sim.request import SimRequest
 
@@ -220,14 +220,15 @@ class Instance:
         self._step_dt = dt
         self.version += 1
         loads = [r for r, _ in chunks if r.load_pending]
-        stores: list[np.ndarray] = []
+        stores: list[Put] = []
         bs = self.bs
         for r, n in chunks:
-            full = min((r.ctx + n) // bs, r.n_blocks)
+            # LMCache saves whole chunks only (save_unfull_chunk: false)
+            full = gt.chunk_floor(min((r.ctx + n) // bs, r.n_blocks))
             if full > r.saved:
-                p, end = gt.store(r.blocks, r.saved, full, now)
-                if end > p:
-                    stores.append(r.blocks[p:end])
+                p = max(r.saved, gt.plan_store(r.blocks, full))
+                if full > p:
+                    stores.append((r.blocks, p, full))
                 r.saved = full
         if not loads and not stores:
             self._end_at(now + dt)

@@ -184,5 +184,14 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     from smetric_lmc.config import packaged_config, read_yaml
 
     p = Path(name_or_path)
+    if not p.suffix and name_or_path not in profile_names():
+        raise ValueError(f"unknown profile {str(name_or_path)!r}; known: {', '.join(profile_names())}")
     data = read_yaml(p if p.suffix else packaged_config(f"profiles/{name_or_path}.yaml"))
     return profile_from_dict(data, p.name if p.suffix else f"{name_or_path}.yaml")
+
+
+def profile_names() -> list[str]:
+    """The packaged hardware/model profiles (``configs/profiles/*.yaml``)."""
+    from smetric_lmc.config import packaged_config
+
+    return sorted(q.name[:-5] for q in packaged_config("profiles").iterdir() if q.name.endswith(".yaml"))
