@@ -27,8 +27,17 @@ from aiohttp import web
 
 from smetric_lmc.mock_engine.core import MockEngineCore
 from smetric_lmc.mock_engine.kv_events import KVEventPublisher
+from smetric_lmc.mock_engine.retrieve import (
+    GLOBAL_DEFAULT,
+    LOCAL_CPU_DEFAULT,
+    CostsFile,
+    MockClock,
+    RetrieveCosts,
+    RetrievePath,
+    SharedTiers,
+)
 from smetric_lmc.mock_engine.server import MockEngineServer
-from smetric_lmc.sim.profile import DEFAULT_PROFILE, load_profile
+from smetric_lmc.sim.profile import DEFAULT_PROFILE, GIB, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,13 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
     host = args.host
     runners: list[web.AppRunner] = []
     out: list[tuple[MockInstance, MockEngineCore]] = []
+    clock = MockClock(args.speed)
+    tiers = shared_tiers(args, profile, clock)
+    watcher: asyncio.Task[None] | None = None
+    if args.retrieve_file:
+        if tiers is None:
+            raise ValueError("--retrieve-file needs a tier to fetch from (--global-gib or --local-cpu-gib)")
+        watcher = asyncio.get_running_loop().create_task(CostsFile(Path(args.retrieve_file), [tiers]).watch())
     try:
         for i in range(args.instances):
             iid = f"{args.id_prefix}-{args.first_index + i}"
@@ -79,7 +95,8 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
             core = MockEngineCore(
                 iid, profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                 max_model_len=args.max_model_len, speed=args.speed, stream_interval=args.stream_interval,
-                hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub)
+                hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub, clock=clock,
+                tiers=tiers.view(i) if tiers is not None else None)
             pub.start()
             runner = web.AppRunner(MockEngineServer(core, args.served_model_name).app(), access_log=None)
             await runner.setup()
@@ -92,11 +109,30 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
             out.append((info, core))
         yield out
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for runner in runners:
             await runner.cleanup()
         for _, core in out:
             if core.publisher is not None:
                 await core.publisher.close()
+
+
+def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock) -> SharedTiers | None:
+    """The process's global tier and its instances' local CPU tiers, as the options say (None when
+    neither is asked for: vLLM engines alone, no LMCache)."""
+    if args.global_gib < 0 or args.local_cpu_gib < 0:
+        raise ValueError("--global-gib and --local-cpu-gib must be >= 0")
+    if not args.global_gib and not args.local_cpu_gib:
+        return None
+    bpb = args.block_size * profile.kv_bytes_per_token
+    costs = RetrieveCosts(
+        global_=RetrievePath(args.retrieve_gbps, args.retrieve_chunk_ms, args.retrieve_lookup_ms),
+        local_cpu=RetrievePath(args.local_gbps, args.local_chunk_ms, args.local_lookup_ms),
+        chunk_tokens=args.retrieve_chunk_tokens)
+    return SharedTiers(profile, args.block_size, args.instances, clock,
+                       global_blocks=int(args.global_gib * GIB // bpb),
+                       local_cpu_blocks=int(args.local_cpu_gib * GIB // bpb), costs=costs)
 
 
 def options(**overrides: Any) -> argparse.Namespace:
@@ -163,6 +199,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id-prefix", default="mock")
     p.add_argument("--first-index", type=int, default=0)
     p.add_argument("--ready-file", default=None, help="write the instances' JSON here once all listen")
+    t = p.add_argument_group("KV tiers beyond the GPU (LMCache): off unless a size is given")
+    t.add_argument("--global-gib", type=float, default=0.0,
+                   help="global tier shared by this process's instances, GiB (0: none)")
+    t.add_argument("--local-cpu-gib", type=float, default=0.0, help="local CPU tier per instance, GiB (0: none)")
+    g, c = GLOBAL_DEFAULT, LOCAL_CPU_DEFAULT
+    t.add_argument("--retrieve-gbps", type=float, default=g.gbps,
+                   help="global tier: per-request retrieve throughput, GB/s (0: links only)")
+    t.add_argument("--retrieve-chunk-ms", type=float, default=g.chunk_ms, help="global tier: cost per chunk, ms")
+    t.add_argument("--retrieve-lookup-ms", type=float, default=g.lookup_ms, help="global tier: lookup per request, ms")
+    t.add_argument("--local-gbps", type=float, default=c.gbps, help="local CPU tier: per-request throughput, GB/s")
+    t.add_argument("--local-chunk-ms", type=float, default=c.chunk_ms, help="local CPU tier: cost per chunk, ms")
+    t.add_argument("--local-lookup-ms", type=float, default=c.lookup_ms, help="local CPU tier: lookup, ms")
+    t.add_argument("--retrieve-chunk-tokens", type=int, default=256, help="LMCache chunk size, tokens")
+    t.add_argument("--retrieve-file", default=None,
+                   help="JSON file of retrieve-cost changes, re-read whenever it changes (as POST /mock/retrieve)")
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -29,6 +29,7 @@ from smetric_lmc.mock_engine.kv_events import (
     block_removed,
     block_stored,
 )
+from smetric_lmc.mock_engine.retrieve import MockClock, TierView
 from smetric_lmc.mock_engine.vllm_hash import SUPPORTED_ALGOS, chain_digests, event_hash
 from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.engine import Instance
@@ -54,6 +55,7 @@ class Handle:
     queue: asyncio.Queue[tuple[str, int]] = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already handed to the stream
     cached_tokens: int = 0
+    cpu_tokens: int = 0  # of the fetched tokens: those from the instance's local CPU tier
     aborted: bool = False
     finished: bool = False
 
@@ -68,6 +70,10 @@ class EngineCounters:
     requests_aborted: int = 0
     steps: int = 0
     evicted_blocks: int = 0
+    # where prompt tokens came from (the engine's own accounting, as LMCache's hit counters)
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    global_hit_tokens: int = 0
 
 
 class _Index:
@@ -100,6 +106,24 @@ class _MockInstance(Instance):
         with self.core.completing(r):
             super()._keep_generated(r, t)
 
+    def _fetch_all(self, loads: list[SimRequest], now: float, done: Any) -> None:
+        """The loads of one step through the mock's tiers (local CPU, then global), each request
+        at its retrieve path's cost; the step waits for all of them (sync load mode)."""
+        view = self.sim.gtier
+        assert isinstance(view, TierView)
+        left = [len(loads)]
+
+        def one(r: SimRequest, t: float) -> None:
+            r.load_pending = False
+            r.load_s = t - now
+            self._release_gnode(r, t)
+            left[0] -= 1
+            if left[0] == 0:
+                done(t)
+
+        for r in loads:
+            r.session.cpu_tokens = view.fetch_request(r, now, lambda t, r=r: one(r, t))
+
 
 class MockEngineCore:
     """One engine: the model instance, its clock, its KV event publisher and its live requests."""
@@ -117,7 +141,11 @@ class MockEngineCore:
         hash_algo: str = "sha256_cbor",
         none_hash_seed: str | None = "0",
         publisher: KVEventPublisher | None = None,
+        clock: MockClock | None = None,
+        tiers: TierView | None = None,
     ) -> None:
+        """``clock``: the process's model clock (instances sharing ``tiers`` must share it);
+        ``tiers``: this instance's local CPU and global tiers (None: a vLLM engine alone)."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if hash_algo not in SUPPORTED_ALGOS:
@@ -132,7 +160,7 @@ class MockEngineCore:
         host = SimpleNamespace(
             cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval), kv_load_mode="sync"),
             index=_Index(self),
-            gtier=None,  # a vLLM engine alone: no LMCache global tier
+            gtier=tiers,
             push_segment=self._push_segment,
             push_call=self._push_call,
             account=self._account,
@@ -156,24 +184,22 @@ class MockEngineCore:
         self._completing: SimRequest | None = None
         self._handles: dict[str, Handle] = {}
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._t0 = 0.0
+        self.clock = clock or MockClock(speed)
+        if self.clock.speed != speed:
+            raise ValueError("the clock's speed and the engine's differ")
+        self.tiers = tiers
+        if tiers is not None:
+            tiers.shared.after_wake.append(self._flush)
 
     # ---- clock ----------------------------------------------------------------------------------
     def _now(self) -> float:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._t0 = self._loop.time()
-        return (self._loop.time() - self._t0) * self.speed
+        return self.clock.now()
 
     def _push_segment(self, inst: Instance) -> None:
-        assert self._loop is not None
-        when = self._t0 + inst.seg_end / self.speed
-        self._loop.call_at(when, self._segment_end, inst.seg_end, inst.version)
+        self.clock.call_at(inst.seg_end, self._segment_end, inst.seg_end, inst.version)
 
     def _push_call(self, t: float, fn: Any) -> None:
-        assert self._loop is not None
-        self._loop.call_at(self._t0 + t / self.speed, self._call, fn, t)
+        self.clock.call_at(t, self._call, fn, t)
 
     def _call(self, fn: Any, t: float) -> None:
         fn(t)
@@ -297,6 +323,12 @@ class MockEngineCore:
         c.prompt_tokens += r.input
         c.prefix_queries += r.input
         c.prefix_hits += h.cached_tokens
+        # vLLM's usage counts what a KV connector loaded as cached too (num_cached_tokens)
+        h.cached_tokens += r.global_tokens
+        c.gpu_hit_tokens += r.local_tokens
+        cpu = min(h.cpu_tokens, r.global_tokens)
+        c.cpu_hit_tokens += cpu
+        c.global_hit_tokens += r.global_tokens - cpu
         if not h.aborted:
             h.queue.put_nowait(("first", h.cached_tokens))
         self._deliver(r)

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -92,6 +93,9 @@ class MockEngineServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/mock/cache", self._cache)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_get("/mock/stats", self._stats)
+        app.router.add_get("/mock/retrieve", self._retrieve)
+        app.router.add_post("/mock/retrieve", self._retrieve)
         return app
 
     # ---- small endpoints ------------------------------------------------------------------------
@@ -125,6 +129,33 @@ class MockEngineServer:
         return web.json_response({"block_hashes": sorted(c.cached_block_hashes()), "running": c.running,
                                   "waiting": c.waiting, "evicted_blocks": c.counters.evicted_blocks,
                                   "kv_batches": c.publisher.batches if c.publisher else 0})
+
+    async def _stats(self, _r: web.Request) -> web.Response:
+        """Not a vLLM endpoint: this engine's counters (where its prompt tokens came from) and, when
+        it has tiers, the process's tier counters and retrieve costs."""
+        c = self.core
+        doc: dict[str, Any] = {"instance": c.instance_id, "counters": asdict(c.counters), "running": c.running,
+                               "waiting": c.waiting}
+        if c.tiers is not None:
+            sh = c.tiers.shared
+            doc["tiers"] = asdict(sh.counters)
+            doc["retrieve"] = sh.costs.to_dict()
+        return web.json_response(doc)
+
+    async def _retrieve(self, request: web.Request) -> web.Response:
+        """Not a vLLM endpoint: GET the retrieve costs of this instance's process; POST a JSON object
+        of changes (e.g. ``{"scale": 4}`` or ``{"global": {"gbps": 1.6}}``), applied to every
+        instance of the process for fetches that start from now on."""
+        tiers = self.core.tiers
+        if tiers is None:
+            return _error(404, "this mock engine has no KV tier beyond its GPU (start it with --global-gib or "
+                               "--local-cpu-gib)", "NotFoundError")
+        if request.method == "POST":
+            try:
+                tiers.shared.set_costs(await request.json())
+            except ValueError as exc:  # json.JSONDecodeError included
+                return _error(400, str(exc))
+        return web.json_response(tiers.shared.costs.to_dict())
 
     # ---- generation -----------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
