@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def make_feed(policy: PolicyConfig) -> PriceFeed:
     """A feed whose prior is the configured variant's prices (its defaults for any other policy)."""
-    params = policy.params if policy.name == "smetric_ect" else {}
+    params = policy.params if policy.name.startswith("smetric_ect") else {}
     return PriceFeed(PriceBook(EstimatorConfig(priors=ECTParams.from_params(params).prior_prices())))
 
 

@@ -61,7 +61,7 @@ class PolicyConfig(_Cfg):
             raise ValueError("hit_ratio must be within [0, 1]")
         if not 0 <= self.bailian_lambda <= 1:
             raise ValueError("bailian_lambda must be within [0, 1]")
-        if self.params and self.name != "smetric_ect":
+        if self.params and not self.name.startswith("smetric_ect"):
             raise ValueError(f"params: policy {self.name!r} takes none (only smetric_ect does)")
         self._move_deprecated()
         make_policy(self)  # checks the params (unknown keys, negative values)

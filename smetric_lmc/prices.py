@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -96,13 +97,17 @@ class Observation:
     cached_tokens: int | None = None  # what the engine reported reused (GPU + connector), when known
     e2e_s: float | None = None
     output_tokens: int = 0
+    # where connector reuse the decision did not predict came from: the local CPU tier (the global
+    # tier's contents are indexed, so its hits were predicted), or the global tier (a store the
+    # router cannot see, and no local CPU tier)
+    unpredicted: Literal["local_cpu", "global"] = "local_cpu"
 
     def split(self) -> tuple[int, int, int]:
         """(computed, fetched from the global tier, fetched from the local CPU tier) tokens.
 
         With the engine's cached count, reuse past the predicted GPU hit came through the connector:
         from the global tier up to what it was predicted to hold, the rest from the local CPU tier.
-        Without it, the prediction stands."""
+        Without it, the prediction stands. Reuse past both predictions comes from ``unpredicted``."""
         L, c, g = self.prompt_tokens, min(self.local_hit, self.prompt_tokens), min(self.global_hit, self.prompt_tokens)
         if self.cached_tokens is None:
             n_g = max(0, g - c)
@@ -111,6 +116,8 @@ class Observation:
         gpu = min(c, cached)
         ext = cached - gpu
         n_g = min(ext, max(0, g - gpu))
+        if self.unpredicted == "global":
+            return L - cached, ext, 0
         return L - cached, n_g, ext - n_g
 
 
@@ -362,8 +369,10 @@ class PriceFeed:
     report and feeds the result to a :class:`PriceBook`. Holds one small record per request in flight
     (at most ``max_pending``: the oldest are dropped first when done reports go missing)."""
 
-    def __init__(self, book: PriceBook | None = None, max_pending: int = 200_000) -> None:
+    def __init__(self, book: PriceBook | None = None, max_pending: int = 200_000,
+                 unpredicted: Literal["local_cpu", "global"] = "local_cpu") -> None:
         self.book = book or PriceBook()
+        self.unpredicted: Literal["local_cpu", "global"] = unpredicted  # see Observation.unpredicted
         self.max_pending = max_pending
         self._pending: dict[str, _Routed] = {}
         self.stats = {"routed": 0, "observed": 0, "unmatched_done": 0, "dropped_pending": 0, "no_ttft": 0}
@@ -390,7 +399,8 @@ class PriceFeed:
             return False
         L = prompt_tokens if prompt_tokens else r.prompt_tokens
         self.book.observe(r.instance_id, Observation(
-            L, r.local_hit, r.global_hit, ttft_s, r.queued_tokens, r.in_flight, cached_tokens, e2e_s, output_tokens))
+            L, r.local_hit, r.global_hit, ttft_s, r.queued_tokens, r.in_flight, cached_tokens, e2e_s, output_tokens,
+            self.unpredicted))
         self.stats["observed"] += 1
         return True
 

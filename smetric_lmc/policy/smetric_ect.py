@@ -170,3 +170,8 @@ def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     if view.hit(k) == best:
         return Choice(k, Reason.STICKY)
     return Choice(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)
+
+
+# The same cost priced with the configured constants only (it asks for no learned prices): what
+# learning buys, side by side in bench/prices.py. Not a policy to deploy.
+register("smetric_ect_fixed", needs={"unprefilled", "in_flight"}, params=_params)(smetric_ect)

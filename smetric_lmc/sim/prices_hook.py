@@ -22,7 +22,7 @@ def attach(router: Router, policy: PolicyConfig) -> PriceFeed | None:
     the policy's configured prices (as in the controller)."""
     if "prices" not in router.policy.needs:
         return None
-    prior = ECTParams.from_params(policy.params).prior_prices() if policy.name == "smetric_ect" else {}
+    prior = ECTParams.from_params(policy.params).prior_prices() if policy.name.startswith("smetric_ect") else {}
     router.prices = PriceFeed(PriceBook(EstimatorConfig(priors=prior)))
     return router.prices
 
