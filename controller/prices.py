@@ -24,9 +24,9 @@ def make_feed(policy: PolicyConfig) -> PriceFeed:
 
 
 class PriceCollector(Collector):
-    """``smetric_price_<name>{instance}`` (µs; ``instance="cluster"``: the pooled fit),
-    ``smetric_price_rel_std{instance,price}`` (its relative standard error) and
-    ``smetric_price_observations{instance}``, read at scrape time."""
+    """``smetric_price_<name>{backend}`` (µs; ``backend="cluster"``: the pooled fit),
+    ``smetric_price_rel_std{backend,price}`` (its relative standard error) and
+    ``smetric_price_observations{backend}``, read at scrape time (``backend`` as in controller/metrics.py)."""
 
     def __init__(self, feed: PriceFeed) -> None:
         self._feed = feed
@@ -41,12 +41,12 @@ class PriceCollector(Collector):
         except Exception:  # a scrape must never take the controller down
             log.exception("metrics: price snapshot failed")
             return
-        fams = {k: GaugeMetricFamily(f"smetric_price_{k}", f"learned price {k} (µs)", labels=["instance"])
+        fams = {k: GaugeMetricFamily(f"smetric_price_{k}", f"learned price {k} (µs)", labels=["backend"])
                 for k in PRICE_NAMES}
         rel = GaugeMetricFamily("smetric_price_rel_std", "relative standard error of a learned price",
-                                labels=["instance", "price"])
+                                labels=["backend", "price"])
         obs = GaugeMetricFamily("smetric_price_observations", "done reports a price fit has learned from",
-                                labels=["instance"])
+                                labels=["backend"])
         for iid, est in rows:
             p = est.prices()
             for k in PRICE_NAMES:

@@ -129,9 +129,9 @@ def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
     reg = CollectorRegistry()
     reg.register(PriceCollector(core.router.prices))
     text = generate_latest(reg).decode()
-    assert 'smetric_price_fetch_global_us{instance="cluster"} 9.0' in text
-    assert 'smetric_price_observations{instance="cluster"} 20.0' in text
-    assert 'smetric_price_rel_std{instance="cluster",price="prefill_us"}' in text
+    assert 'smetric_price_fetch_global_us{backend="cluster"} 9.0' in text
+    assert 'smetric_price_observations{backend="cluster"} 20.0' in text
+    assert 'smetric_price_rel_std{backend="cluster",price="prefill_us"}' in text
 
 
 def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
