@@ -82,34 +82,29 @@ def test_the_sourced_profiles_are_slower_than_line_rate() -> None:
     assert big == pytest.approx(0.97, abs=0.01)
 
 
-def test_the_per_request_cap_is_per_request_not_shared() -> None:
-    fp = FetchPath("t", lookup_s=0.0, per_chunk_s=0.0, request_gbs=10.0, store_gbs=math.inf, staged=False)
+def two_fetches(fp: FetchPath, gpus: tuple[int, int]) -> tuple[list[float], float]:
+    """Two 40-chunk fetches started together on ``gpus`` of one node: their end times and bytes."""
     loop = Loop()
     gt = tier(loop, fp)
     done: list[float] = []
-    nbytes = 40 * gt.bpb
-    # two GPUs of one node fetch at once: each capped at 10 GB/s, their PCIe links are separate
-    gt.fetch(0, 0, np.arange(40, dtype=np.uint64), 0.0, done.append)
-    gt.fetch(1, 0, np.arange(40, dtype=np.uint64), 0.0, done.append)
+    for g in gpus:
+        gt.fetch(g, 0, np.arange(40, dtype=np.uint64), 0.0, done.append)
     loop.run()
+    return done, 40 * gt.bpb
+
+
+def test_the_per_request_cap_is_per_request_not_shared() -> None:
+    fp = FetchPath("t", lookup_s=0.0, per_chunk_s=0.0, request_gbs=10.0, store_gbs=math.inf, staged=False)
+    # two GPUs of one node: each fetch capped at 10 GB/s, their PCIe links are separate
+    done, nbytes = two_fetches(fp, (0, 1))
     assert done == pytest.approx([nbytes / 10e9] * 2)
-    # two fetches to the SAME GPU: 2 x 10 GB/s < 50 GB/s PCIe, so the caps bind, not the link
-    loop2 = Loop()
-    gt2 = tier(loop2, fp)
-    done2: list[float] = []
-    gt2.fetch(0, 0, np.arange(40, dtype=np.uint64), 0.0, done2.append)
-    gt2.fetch(0, 0, np.arange(40, dtype=np.uint64), 0.0, done2.append)
-    loop2.run()
-    assert done2 == pytest.approx([nbytes / 10e9] * 2)
+    # the SAME GPU: 2 x 10 GB/s < 50 GB/s PCIe, so the caps bind, not the link
+    done, nbytes = two_fetches(fp, (0, 0))
+    assert done == pytest.approx([nbytes / 10e9] * 2)
     # with a cap above half the link, two fetches on one GPU share its PCIe instead
     fast = FetchPath("t2", lookup_s=0.0, per_chunk_s=0.0, request_gbs=40.0, store_gbs=math.inf, staged=False)
-    loop3 = Loop()
-    gt3 = tier(loop3, fast)
-    done3: list[float] = []
-    gt3.fetch(0, 0, np.arange(40, dtype=np.uint64), 0.0, done3.append)
-    gt3.fetch(0, 0, np.arange(40, dtype=np.uint64), 0.0, done3.append)
-    loop3.run()
-    assert done3 == pytest.approx([nbytes / (PCIE / 2)] * 2)
+    done, nbytes = two_fetches(fast, (0, 0))
+    assert done == pytest.approx([nbytes / (PCIE / 2)] * 2)
 
 
 def test_lookup_and_per_chunk_costs_come_first() -> None:

@@ -295,3 +295,39 @@ def test_sim_map_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert (tmp_path / "regime_map.png").stat().st_size > 0 and "SMetric ÷ best baseline" in (
         tmp_path / "map.md"
     ).read_text()
+
+
+def test_fetch_axis_map_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`smetric sim map --fetch-axis`: per-request retrieve speed x global tier, one sentence per tier."""
+    from smetric_lmc.sim.fetch_map import parse_axis
+
+    assert parse_axis("0.5, line") == (0.5, float("inf"))
+    with pytest.raises(ValueError):
+        parse_axis("0,1")
+    rc = cli.main(["map", "--quick", "--fetch-axis", "0.5,line", "--tiers", "full", "--instances", "2",
+                   "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["variant_vs_best_min_over_fetch_axis"] > 0
+    md = (tmp_path / "fetch_map.md").read_text()
+    assert "| full | 0.5 GB/s |" in md and "| full | line rate |" in md and "- global tier full: SMetric beats" in md
+
+
+def test_fetch_axis_crossover_sentence() -> None:
+    import numpy as np
+
+    from smetric_lmc.sim.fetch_map import FetchMap, FetchMapSpec, crossover
+    from smetric_lmc.sim.knee import KneeResult
+    from smetric_lmc.sim.metrics import SimResult
+
+    def kr(ours: float, lb: float) -> KneeResult:
+        k = KneeResult(1.0)
+        for name, v in (("smetric", ours), ("load_balance", lb)):
+            k.peaks[name] = SimResult(name, {"pd": False, "tps_slo": v}, np.empty(0), np.empty(0), np.empty((0, 0)))
+        return k
+
+    spec = FetchMapSpec(gbs=(0.5, 1.1, float("inf")), tiers=("full",), baselines=("load_balance",))
+    m = FetchMap(spec, {("full", 0.5): [kr(12, 10)], ("full", 1.1): [kr(11, 10)], ("full", float("inf")): [kr(9, 10)]})
+    assert crossover(m, "full", "load_balance") == "at 1.1 GB/s per request and below (loses from line rate)"
+    m.cells[("full", float("inf"))] = [kr(10.5, 10)]
+    assert crossover(m, "full", "load_balance") == "at every retrieve speed"

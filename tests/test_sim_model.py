@@ -374,3 +374,15 @@ def test_warmup_share_leaves_the_ramp_out_of_the_measurement() -> None:
 def test_warmup_share_is_validated() -> None:
     with pytest.raises(ValueError, match="warmup_share"):
         load_sim_config(warmup_share=1.0)
+
+
+def test_a_fork_starting_past_turn_zero_is_sticky_to_its_own_first_instance() -> None:
+    """A sub-agent or fork carries its parent's turns (its first request has turn > 0): its first
+    request places it; its follow-ups count against that instance (they used to count as moved)."""
+    a = TraceRequest(0.0, 600, 5, ids(9, 1), turn=3)
+    b = TraceRequest(1.0, 700, 5, ids(10, 1), turn=4)
+    sim = Simulator(Workload("w", BS, [TraceSession("fork", [a, b])]), cfg(global_tier="none"),
+                    PolicyConfig(name="smetric"))  # fmt: skip
+    res = sim.run()
+    assert res.summary["stickiness"] == 1.0
+    assert sorted(res.cols["sticky"].tolist()) == [-1, 1]

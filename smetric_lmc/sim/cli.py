@@ -1,7 +1,9 @@
-"""``smetric sim``: run the trace-driven cluster simulator.
+"""smetric sim: the trace-driven cluster simulator.
 
-``smetric sim`` alone replays the built-in synthetic agentic workload on a small cluster and prints
-the policy comparison. ``smetric sim report`` writes the WEKA results document (docs/results.md).
+smetric sim (or smetric sim run) replays the built-in synthetic agentic workload on a small cluster
+and prints the policy comparison. Subcommands: run, report (docs/results.md), map (the regime map),
+paper (the SMetric paper's measurements side by side, docs/paper.md), calibrate and validate
+(against real vLLM engines). smetric sim SUBCOMMAND --help lists each one's options.
 """
 
 from __future__ import annotations
@@ -43,44 +45,96 @@ def _floats(text: str | None) -> list[float] | None:
     return [float(x) for x in text.split(",")] if text else None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "report", "map", "calibrate", "validate"), default="run",
-                   help="run (default); report: regenerate docs/results.md; map: the regime map; calibrate: "
-                        "profile a running engine; validate: simulator vs real vLLM CPU engines")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="report/map: the same pipeline on reduced sizes")
-    p.add_argument("--rebuild", action="store_true", help="report: rewrite the document from the last run's saved results")
-    p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (default weka)")
-    p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset")
-    p.add_argument("--xs", help="map: comma list of mean context / KV capacity columns")
-    p.add_argument("--tiers", help="map: comma list of global tiers (none, 0.4, 1.6, full, ...)")
-    p.add_argument("--trace", help="trace file/folder/archive (WEKA, Bailian, Mooncake, native); default: synthetic")
+def _common(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    p.add_argument("--profile", help="hardware/model profile: a name under configs/profiles, or a YAML path")
+    p.add_argument("--config", help="simulator defaults YAML (the packaged configs/sim.yaml when not given)")
+    if seed:
+        p.add_argument("--seed", type=int, help="workload and arrival seed")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+
+
+def _fetch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fetch-path", help="how a global-tier hit is retrieved: lmcache-mooncake-rdma (the paper's "
+                   "testbed), lmcache-redis, lmcache-local-cpu or line-rate (configs/fetch_paths.yaml)")
+    p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap in GB/s (overrides the path's)")
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="trace file, folder or archive (WEKA, Bailian, Mooncake, native); "
+                   "without it a synthetic workload is generated")
     p.add_argument("--shared-prefix", action="store_true",
-                   help="WEKA: map each session's system prompt + tools to ids shared across sessions")  # fmt: skip
+                   help="WEKA: map each session's system prompt and tools to ids shared across sessions")
+    p.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (weka when not given)")
+    p.add_argument("--scale", type=float, help="synthetic: context-length scale of the preset (1 when not given)")
     p.add_argument("--sessions", type=int, help="replay only N root sessions (synthetic: generate N)")
-    p.add_argument("--instances", type=int)
-    p.add_argument("--policies", help=f"comma list (default: all of {','.join(POLICY_NAMES)})")
+    p.add_argument("--instances", type=int, help="instances (16 for the synthetic workload when not given)")
+    p.add_argument("--policies", help=f"comma list of policies (all when not given: {','.join(POLICY_NAMES)})")
     p.add_argument("--global", dest="global_tier", choices=GLOBAL_CHOICES, help="global tier provisioning")
-    p.add_argument("--fetch-path", help="global-tier retrieve path: a configs/fetch_paths.yaml profile "
-                   "(lmcache-mooncake-rdma, lmcache-redis, lmcache-local-cpu, line-rate)")
-    p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap, GB/s (overrides the profile's)")
+    _fetch(p)
     p.add_argument("--load-signal", choices=("router", "scrape"),
-                   help="load the policy reads: the router's own in-flight counts or engine metrics scraped periodically")
-    p.add_argument("--scrape-s", type=float, help="scrape period in seconds (--load-signal scrape)")
+                   help="load the policy reads: the router's own in-flight counts, or engine metrics scraped periodically")
+    p.add_argument("--scrape-s", type=float, help="scrape period in seconds, with --load-signal scrape")
     p.add_argument("--pd", action="store_true", default=None, help="PD disaggregation (prefill-only instances)")
-    p.add_argument("--rate", type=float, help="session arrivals per second (offered load)")
-    p.add_argument("--rates", help="comma list of offered loads for sweeps (default: 5 around --rate)")
-    p.add_argument("--arrival", choices=("closed", "open"))
+    p.add_argument("--rate", type=float, help="session arrivals per second, the offered load")
+    p.add_argument("--rates", help="comma list of offered loads for sweeps (5 around --rate when not given)")
+    p.add_argument("--arrival", choices=("closed", "open"), help="closed: next request after the previous one's "
+                   "completion and think time; open: at the recorded offsets")
     p.add_argument("--sweep", action="append", choices=KNOBS, help="sweep a knob (repeatable)")
     p.add_argument("--values", help="comma list of knob values for a single --sweep")
-    p.add_argument("--profile", help="profile name (configs/profiles) or YAML path")
-    p.add_argument("--config", help="sim defaults YAML (default: configs/sim.yaml)")
-    p.add_argument("--out", help="folder for plots + report.md (run); results file (report)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes for sweeps")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--out", help="folder for the plots, report.md and summaries.json")
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
-    from smetric_lmc.replay.cli import add_calibration_arguments
+    _common(p)
 
-    add_calibration_arguments(p)
+
+def _sub(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text)  # type: ignore[no-any-return]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``smetric sim`` and its subcommands; with no subcommand, ``sim`` is ``sim run``."""
+    _run_arguments(p)
+    sub = p.add_subparsers(dest="action", metavar="{run,report,map,validate,calibrate,paper}")
+    _run_arguments(_sub(sub, "run", "Replay a workload on a simulated cluster and compare the routing policies "
+                                    "(what plain smetric sim does)."))
+    r = _sub(sub, "report", "Regenerate docs/results.md: every policy over an offered-load sweep on the WEKA trace "
+                            "and the trace1 preset, with and without a global tier and under PD, plus the regime map.")
+    r.add_argument("--quick", action="store_true", help="the same pipeline on reduced sizes")
+    r.add_argument("--rebuild", action="store_true", help="rewrite the document from the last run's saved results")
+    r.add_argument("--trace", help="the WEKA trace (SMETRIC_SHARED/traces/weka-claude-code.tar.xz when not given)")
+    r.add_argument("--shared-prefix", action="store_true", help="WEKA: shared system-prompt ids across sessions")
+    r.add_argument("--out", help="the document to write (docs/results.md when not given)")
+    _common(r)
+    m = _sub(sub, "map", "The regime map: SMetric and the variant vs the best baseline over context length x "
+                         "global-tier provisioning.")
+    m.add_argument("--quick", action="store_true", help="reduced sizes")
+    m.add_argument("--preset", choices=("weka", "trace1"), help="synthetic workload preset (trace1 when not given)")
+    m.add_argument("--xs", help="comma list of mean context / KV capacity columns")
+    m.add_argument("--tiers", help="comma list of global tiers (none, 0.4, 1.6, full, ...)")
+    m.add_argument("--instances", type=int, help="instances per cell")
+    m.add_argument("--fetch-axis", help="map per-request retrieve throughput (comma list of GB/s, 'line' for line "
+                   "rate) x the --tiers instead of context length x tier, e.g. 0.5,1.1,3.2,6.64,line")
+    m.add_argument("--out", help="folder for map.md and regime_map.png")
+    _common(m)
+    pp = _sub(sub, "paper", "The SMetric paper's section 4.1 and 5 setup, baselines tuned on a held-out seed; "
+                            "writes docs/paper.md, one row per published quantity, and one JSON line.")
+    pp.add_argument("--quick", action="store_true", help="8 instances and smaller grids instead of 32")
+    pp.add_argument("--out", help="the document to write (docs/paper.md when not given)")
+    pp.add_argument("--fetch-path", help="the global tier's retrieve path (lmcache-mooncake-rdma when not given)")
+    _common(pp, seed=False)  # its seeds are fixed: tuned on seed 1, judged on seed 0
+    c = _sub(sub, "calibrate", "Profile a running, idle vLLM engine and write a simulator profile YAML.")
+    c.add_argument("--engine", help="base URL of the engine")
+    c.add_argument("--model-dir", help="the served model's folder (its config.json gives the model's shape)")
+    c.add_argument("--engine-log", help="the engine's startup log (its scheduler limits are read there)")
+    c.add_argument("--max-num-seqs", type=int, help="the engine's --max-num-seqs (from --engine-log when not given)")
+    c.add_argument("--max-num-batched-tokens", type=int, help="the engine's --max-num-batched-tokens")
+    c.add_argument("--out", help="the profile YAML to write")
+    c.add_argument("--profile", help="base profile for the constants the engine cannot measure")
+    v = _sub(sub, "validate", "Replay the same workload on real vLLM CPU engines and in the simulator, side by side.")
+    v.add_argument("--engines", type=int, default=2, help="vLLM CPU engines to start")
+    v.add_argument("--repeats", type=int, default=3, help="replays of each policy, in a balanced order")
+    v.add_argument("--kv-blocks", type=int, default=320, help="KV blocks per engine (32 tokens each)")
+    v.add_argument("--policies", help="comma list of policies (the validation's default set when not given)")
+    v.add_argument("--out", help="output folder (validate-out when not given)")
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -125,10 +179,16 @@ def summaries_json(results: dict[str, SimResult]) -> str:
 
 
 def main_args(args: argparse.Namespace) -> int:
+    if args.action in (None, "run"):
+        args.action = "run"
     if args.action == "report":
         from smetric_lmc.sim.results_doc import main_report
 
         return main_report(args)
+    if args.action == "paper":
+        from smetric_lmc.sim.paper import main_paper
+
+        return main_paper(args)
     if args.action == "map":
         from smetric_lmc.sim.map_cli import main_map
 

@@ -423,9 +423,11 @@ class Simulator:
         r.inst = inst
         self._sample_load(t)
         r.reason = routed.reason.value
-        if tr.turn == 0:
+        if tr.turn == 0 or sess.first_inst < 0:
+            # a fork or sub-agent starts at turn > 0 (it carries its parent's turns): its own first
+            # request places it, and is not one of its follow-ups
             sess.first_inst = inst.pos
-        if tr.turn > 0:
+        else:
             r.sticky = int(inst.pos == sess.first_inst)
         # What to load from the global tier is decided when the engine admits the request.
         inst.enqueue(r, t)

@@ -104,11 +104,17 @@ def knee_sweeps(
     desc: str = "knee",
     extend: int = 1,
     min_sessions: int = 0,
+    labels: Sequence[str] | None = None,
 ) -> dict[Hashable, KneeResult]:
     """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
     ``EXTEND_STEP`` x further, for the policies whose best is still their top load or whose top load
     did not saturate their GPUs; and every policy also at every load where another policy of the same
-    setting peaked."""
+    setting peaked. Results are keyed by ``labels`` (default: the policy names; give labels to run
+    several parameter settings of one policy side by side)."""
+    if labels is not None:
+        if len(labels) != len(policies) or len(set(labels)) != len(labels):
+            raise ValueError("labels: one distinct label per policy")
+        policies = [_Labelled(pol, lab) for pol, lab in zip(policies, labels)]  # type: ignore[misc]
     keys = list(settings)
     knee = {k: guess_rate(workloads[s.wkey], s.profile, s.cfg.instances) for k, s in settings.items()}
     for it in range(pilots):
@@ -129,7 +135,7 @@ def knee_sweeps(
     rnd = 0
     while todo:
         tasks = [
-            Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), pol, settings[k].profile)
+            Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), _cfg_of(pol), settings[k].profile)
             for k, pol, f in todo
         ]
         label = desc if rnd == 0 else f"{desc}: bracketing ({rnd}/{extend + 1})"
@@ -205,6 +211,20 @@ def refresh_flags(kr: KneeResult) -> None:
         busy = float(r.summary.get("gpu_busy_share", 0.0))
         if busy < BUSY_FLAG:
             kr.flags.append(f"{name}: {low_peak_cause(r.summary, kr.busiest.get(name, busy))}")
+
+
+class _Labelled:
+    """A policy config under a label: ``name`` is the label (what results are keyed by)."""
+
+    __slots__ = ("cfg", "name")
+
+    def __init__(self, cfg: PolicyConfig, name: str) -> None:
+        self.cfg = cfg
+        self.name = name
+
+
+def _cfg_of(pol: PolicyConfig | _Labelled) -> PolicyConfig:
+    return pol.cfg if isinstance(pol, _Labelled) else pol
 
 
 def _stretched(s: Setting, window_s: float) -> Setting:

@@ -184,10 +184,12 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     from smetric_lmc.config import packaged_config, read_yaml
 
     p = Path(name_or_path)
-    if not p.suffix and name_or_path not in profile_names():
-        raise ValueError(f"unknown profile {str(name_or_path)!r}; known: {', '.join(profile_names())}")
-    data = read_yaml(p if p.suffix else packaged_config(f"profiles/{name_or_path}.yaml"))
-    return profile_from_dict(data, p.name if p.suffix else f"{name_or_path}.yaml")
+    names = profile_names()
+    if str(name_or_path) in names:  # a name (names may hold dots: llama-3.1-8b-...)
+        return profile_from_dict(read_yaml(packaged_config(f"profiles/{name_or_path}.yaml")), f"{name_or_path}.yaml")
+    if p.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"unknown profile {str(name_or_path)!r}; known: {', '.join(names)} (or a .yaml path)")
+    return profile_from_dict(read_yaml(p), p.name)
 
 
 def profile_names() -> list[str]:

@@ -356,10 +356,15 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     }
     doc = build_document(args, size, base, prof, wl_stats, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
                          elapsed, summary, jobs)  # fmt: skip
+    return write_document(out, doc, summary, also=png)
+
+
+def write_document(out: Path, doc: str, summary: dict[str, Any], also: Path | None = None) -> int:
+    """Write a generated document, print it, then its summary as the ONE JSON line that ends the output."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     print(doc)
-    print(f"wrote {out} and {png}")
+    print(f"wrote {out}" + (f" and {also}" if also is not None else ""))
     print(json.dumps(summary, separators=(",", ":")))
     return 0
 
