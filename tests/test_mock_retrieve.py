@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 
 from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.mock_engine.retrieve import RetrieveCosts, RetrievePath
+from smetric_lmc.mock_engine.retrieve import RetrieveCosts
+from smetric_lmc.sim.fetch_path import load_fetch_path
 
 PROMPT = list(range(1, 200)) * 40  # 7,960 tokens: ~0.8 GB of KV at 96 KiB/token
 
@@ -37,13 +38,18 @@ async def _stats(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 def test_costs_validate_and_update() -> None:
     c = RetrieveCosts()
-    slow = c.updated({"scale": 4, "global": {"gbps": 1.6}})
-    assert slow.global_.gbps == 1.6 and slow.local_cpu == c.local_cpu and slow.scale == 4
-    assert slow.rate(slow.global_) == pytest.approx(0.4e9)
-    assert slow.seconds(slow.global_, 257) == pytest.approx(4 * (1.5 + 2 * 0.1) * 1e-3)
-    assert math.isinf(c.rate(RetrievePath(0, 0, 0)))
+    # The defaults are the simulator's sourced fetch-path profiles, not numbers of the mock's own.
+    assert c.global_ == load_fetch_path("lmcache-mooncake-rdma")
+    assert c.local_cpu == load_fetch_path("lmcache-local-cpu")
+    slow = c.updated({"scale": 4, "global": {"gbps": 1.6, "chunk_ms": 0.1}})
+    assert slow.global_.request_gbs == 1.6 and slow.local_cpu == c.local_cpu and slow.scale == 4
+    eff = slow.effective(slow.global_)
+    assert eff.request_bps == pytest.approx(0.4e9)
+    assert eff.fixed_s(2) == pytest.approx(4 * (c.global_.lookup_s + 2 * 0.1e-3))
+    assert math.isinf(c.updated({"global": {"gbps": 0}}).global_.request_gbs)
+    assert c.updated({"global": {"profile": "lmcache-redis"}}).global_ == load_fetch_path("lmcache-redis")
     for bad in ({"scale": 0}, {"global": {"gbps": -1}}, {"bogus": 1}, {"global": {"gbps": "x"}}, [1],
-                {"chunk_tokens": 0}):
+                {"global": {"profile": "nope"}}, {"chunk_tokens": 256}):
         with pytest.raises(ValueError):
             c.updated(bad)
 
@@ -69,8 +75,8 @@ def test_a_prompt_computed_elsewhere_is_fetched_at_the_retrieve_paths_cost(tmp_p
             async with s.post(f"{a.http_url}/mock/retrieve", json={"scale": -1}) as r:
                 assert r.status == 400 and "scale" in (await r.json())["message"]
             slow, _ = await _ask(s, c.http_url, PROMPT)
-            nbytes = 7680 * 98304
-            expect_fast = 5e-3 + 30 * 0.1e-3 + nbytes / 2e9
+            nbytes = 7680 * 98304  # 30 chunks of 256 tokens at 96 KiB/token
+            expect_fast = 5e-3 + nbytes / 2e9  # the profile's per-chunk cost is 0
             # The slow fetch costs 3 x the fast one's fetch more (prefill of the tail and the HTTP
             # round trip are the same in both).
             assert slow - fast == pytest.approx(3 * expect_fast, rel=0.35), (fast, slow)

@@ -27,16 +27,9 @@ from aiohttp import web
 
 from smetric_lmc.mock_engine.core import MockEngineCore
 from smetric_lmc.mock_engine.kv_events import KVEventPublisher
-from smetric_lmc.mock_engine.retrieve import (
-    GLOBAL_DEFAULT,
-    LOCAL_CPU_DEFAULT,
-    CostsFile,
-    MockClock,
-    RetrieveCosts,
-    RetrievePath,
-    SharedTiers,
-)
+from smetric_lmc.mock_engine.retrieve import LOCAL_CPU_PATH, CostsFile, MockClock, RetrieveCosts, SharedTiers
 from smetric_lmc.mock_engine.server import MockEngineServer
+from smetric_lmc.sim.fetch_path import DEFAULT_FETCH_PATH, fetch_path_names, load_fetch_path
 from smetric_lmc.sim.profile import DEFAULT_PROFILE, GIB, load_profile
 
 log = logging.getLogger(__name__)
@@ -126,10 +119,15 @@ def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock) -> Sh
     if not args.global_gib and not args.local_cpu_gib:
         return None
     bpb = args.block_size * profile.kv_bytes_per_token
-    costs = RetrieveCosts(
-        global_=RetrievePath(args.retrieve_gbps, args.retrieve_chunk_ms, args.retrieve_lookup_ms),
-        local_cpu=RetrievePath(args.local_gbps, args.local_chunk_ms, args.local_lookup_ms),
-        chunk_tokens=args.retrieve_chunk_tokens)
+    costs = RetrieveCosts(load_fetch_path(args.fetch_path), load_fetch_path(args.local_fetch_path))
+    # Explicit numbers override the profiles' (as POST /mock/retrieve would).
+    change: dict[str, dict[str, float]] = {}
+    for tier, prefix in (("global", "retrieve"), ("local_cpu", "local")):
+        for key in ("gbps", "chunk_ms", "lookup_ms"):
+            v = getattr(args, f"{prefix}_{key}")
+            if v is not None:
+                change.setdefault(tier, {})[key] = v
+    costs = costs.updated(change)
     return SharedTiers(profile, args.block_size, args.instances, clock,
                        global_blocks=int(args.global_gib * GIB // bpb),
                        local_cpu_blocks=int(args.local_cpu_gib * GIB // bpb), costs=costs)
@@ -203,15 +201,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--global-gib", type=float, default=0.0,
                    help="global tier shared by this process's instances, GiB (0: none)")
     t.add_argument("--local-cpu-gib", type=float, default=0.0, help="local CPU tier per instance, GiB (0: none)")
-    g, c = GLOBAL_DEFAULT, LOCAL_CPU_DEFAULT
-    t.add_argument("--retrieve-gbps", type=float, default=g.gbps,
-                   help="global tier: per-request retrieve throughput, GB/s (0: links only)")
-    t.add_argument("--retrieve-chunk-ms", type=float, default=g.chunk_ms, help="global tier: cost per chunk, ms")
-    t.add_argument("--retrieve-lookup-ms", type=float, default=g.lookup_ms, help="global tier: lookup per request, ms")
-    t.add_argument("--local-gbps", type=float, default=c.gbps, help="local CPU tier: per-request throughput, GB/s")
-    t.add_argument("--local-chunk-ms", type=float, default=c.chunk_ms, help="local CPU tier: cost per chunk, ms")
-    t.add_argument("--local-lookup-ms", type=float, default=c.lookup_ms, help="local CPU tier: lookup, ms")
-    t.add_argument("--retrieve-chunk-tokens", type=int, default=256, help="LMCache chunk size, tokens")
+    names = fetch_path_names()
+    t.add_argument("--fetch-path", default=DEFAULT_FETCH_PATH, choices=names,
+                   help="global tier's retrieve path: a simulator fetch-path profile (configs/fetch_paths.yaml)")
+    t.add_argument("--local-fetch-path", default=LOCAL_CPU_PATH, choices=names,
+                   help="local CPU tier's retrieve path (a fetch-path profile)")
+    t.add_argument("--retrieve-gbps", type=float, default=None,
+                   help="global tier: per-request retrieve throughput, GB/s (0: links only; default: the profile's)")
+    t.add_argument("--retrieve-chunk-ms", type=float, default=None, help="global tier: cost per 256-token chunk, ms")
+    t.add_argument("--retrieve-lookup-ms", type=float, default=None, help="global tier: lookup per request, ms")
+    t.add_argument("--local-gbps", type=float, default=None, help="local CPU tier: per-request throughput, GB/s")
+    t.add_argument("--local-chunk-ms", type=float, default=None, help="local CPU tier: cost per chunk, ms")
+    t.add_argument("--local-lookup-ms", type=float, default=None, help="local CPU tier: lookup, ms")
     t.add_argument("--retrieve-file", default=None,
                    help="JSON file of retrieve-cost changes, re-read whenever it changes (as POST /mock/retrieve)")
 

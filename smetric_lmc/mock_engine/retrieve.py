@@ -25,88 +25,100 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from smetric_lmc.sim.cache import Node, PrefixCache
-from smetric_lmc.sim.global_tier import GlobalTier, Links
+from smetric_lmc.sim.fetch_path import DEFAULT_FETCH_PATH, LMCACHE_CHUNK_TOKENS, FetchPath, load_fetch_path
+from smetric_lmc.sim.global_tier import GlobalTier, Links, Put
 from smetric_lmc.sim.profile import Profile
 from smetric_lmc.sim.request import SimRequest
 from smetric_lmc.sim.transfer import Network, Resource
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RetrievePath:
-    """One tier's retrieve path, per request. ``gbps`` is GB/s (1e9 bytes); 0 means no limit
-    beyond the shared links."""
-
-    gbps: float
-    chunk_ms: float
-    lookup_ms: float
-
-    def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"retrieve path: {k} must be a finite number >= 0, got {v!r}")
+LOCAL_CPU_PATH = "lmcache-local-cpu"  # the simulator's profile for LMCache's local CPU backend
 
 
-# Defaults: LMCache's retrieve path as public figures put it (sources in docs/peers.md, "The mock
-# cluster"): ~6.4 GB/s per request from Mooncake Store over RDMA (LMCache PR 3018); lookups of
-# 1-2 ms (LMCache issue 891 / PR 934); local CPU 64 k tokens of a 96 KiB/token model in 0.27 s
-# (~23 GB/s). The per-chunk costs are guesses (0.1 ms remote, 0.02 ms local per 256-token chunk).
-GLOBAL_DEFAULT = RetrievePath(gbps=6.4, chunk_ms=0.1, lookup_ms=1.5)
-LOCAL_CPU_DEFAULT = RetrievePath(gbps=23.0, chunk_ms=0.02, lookup_ms=0.2)
+def _path_doc(fp: FetchPath) -> dict[str, Any]:
+    """One tier's path as JSON: throughputs of 0 mean no per-request cap (JSON has no infinity)."""
+    def cap(x: float) -> float:
+        return x if math.isfinite(x) else 0.0
+
+    return {"profile": fp.name, "gbps": cap(fp.request_gbs), "chunk_ms": fp.per_chunk_s * 1e3,
+            "lookup_ms": fp.lookup_s * 1e3, "store_gbps": cap(fp.store_gbs), "staged": fp.staged}
+
+
+def _number(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v < 0:
+        raise ValueError(f"retrieve path: {key} must be a number >= 0, got {v!r}")
+    return float(v)
+
+
+def _changed(fp: FetchPath, part: Any, key: str) -> FetchPath:
+    """``fp`` with the fields of one tier's JSON object changed; ``profile`` starts from a named one."""
+    if not isinstance(part, dict) or set(part) - {"profile", "gbps", "chunk_ms", "lookup_ms", "store_gbps"}:
+        raise ValueError(f"{key!r} takes an object with profile, gbps, chunk_ms, lookup_ms, store_gbps")
+    if "profile" in part:
+        fp = load_fetch_path(str(part["profile"]))
+    ch: dict[str, Any] = {}
+    if "gbps" in part:  # 0 or inf: no per-request cap beyond the shared links
+        g = _number("gbps", part["gbps"])
+        ch["request_gbs"] = g if g > 0 else math.inf
+    if "store_gbps" in part:
+        g = _number("store_gbps", part["store_gbps"])
+        ch["store_gbs"] = g if g > 0 else math.inf
+    for k, f in (("chunk_ms", "per_chunk_s"), ("lookup_ms", "lookup_s")):
+        if k in part:
+            v = _number(k, part[k])
+            if not math.isfinite(v):
+                raise ValueError(f"retrieve path: {k} must be finite")
+            ch[f] = v * 1e-3
+    return replace(fp, name=f"{fp.name}*", **ch) if ch else fp
 
 
 @dataclass(frozen=True)
 class RetrieveCosts:
-    """What a fetch costs now; replaced whole on a change (fetches in flight keep theirs)."""
+    """What a fetch costs now: one fetch-path profile (``configs/fetch_paths.yaml``, the simulator's)
+    per tier, and a slowdown ``scale``. Replaced whole on a change (fetches in flight keep theirs)."""
 
-    global_: RetrievePath = GLOBAL_DEFAULT
-    local_cpu: RetrievePath = LOCAL_CPU_DEFAULT
-    chunk_tokens: int = 256  # LMCache's chunk size
+    global_: FetchPath = field(default_factory=lambda: load_fetch_path(DEFAULT_FETCH_PATH))
+    local_cpu: FetchPath = field(default_factory=lambda: load_fetch_path(LOCAL_CPU_PATH))
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.chunk_tokens, int) and self.chunk_tokens >= 1):
-            raise ValueError("chunk_tokens must be an integer >= 1")
-        if not (isinstance(self.scale, int | float) and math.isfinite(self.scale) and self.scale > 0):
+        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) \
+                or not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError("scale must be a finite number > 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"global": asdict(self.global_), "local_cpu": asdict(self.local_cpu),
-                "chunk_tokens": self.chunk_tokens, "scale": self.scale}
+        return {"global": _path_doc(self.global_), "local_cpu": _path_doc(self.local_cpu),
+                "chunk_tokens": LMCACHE_CHUNK_TOKENS, "scale": self.scale}
 
     def updated(self, doc: Any) -> RetrieveCosts:
         """These costs with the fields ``doc`` names changed; unknown keys are an error."""
         if not isinstance(doc, dict):
             raise ValueError("retrieve costs must be a JSON object")
-        unknown = set(doc) - {"global", "local_cpu", "chunk_tokens", "scale"}
+        unknown = set(doc) - {"global", "local_cpu", "scale"}
         if unknown:
             raise ValueError(f"unknown retrieve-cost keys: {sorted(unknown)}")
         out = self
-        for key, attr in (("global", "global_"), ("local_cpu", "local_cpu")):
-            if key in doc:
-                part = doc[key]
-                if not isinstance(part, dict) or set(part) - {"gbps", "chunk_ms", "lookup_ms"}:
-                    raise ValueError(f"{key!r} takes an object with gbps, chunk_ms, lookup_ms")
-                out = replace(out, **{attr: replace(getattr(out, attr), **part)})
-        rest = {k: doc[k] for k in ("chunk_tokens", "scale") if k in doc}
-        return replace(out, **rest) if rest else out
+        if "global" in doc:
+            out = replace(out, global_=_changed(out.global_, doc["global"], "global"))
+        if "local_cpu" in doc:
+            out = replace(out, local_cpu=_changed(out.local_cpu, doc["local_cpu"], "local_cpu"))
+        return replace(out, scale=doc["scale"]) if "scale" in doc else out
 
-    def seconds(self, path: RetrievePath, tokens: int) -> float:
-        """The fixed part of a fetch (lookup + per-chunk), in model seconds."""
-        chunks = -(-tokens // self.chunk_tokens)
-        return (path.lookup_ms + chunks * path.chunk_ms) * 1e-3 * self.scale
-
-    def rate(self, path: RetrievePath) -> float:
-        """The per-request throughput cap in bytes/s (inf: none)."""
-        return path.gbps * 1e9 / self.scale if path.gbps > 0 else math.inf
+    def effective(self, fp: FetchPath) -> FetchPath:
+        """``fp`` slowed ``scale`` times: latencies times it, throughputs divided by it."""
+        if self.scale == 1:
+            return fp
+        k = self.scale
+        return replace(fp, name=f"{fp.name}x{k:g}", lookup_s=fp.lookup_s * k, per_chunk_s=fp.per_chunk_s * k,
+                       request_gbs=fp.request_gbs / k, store_gbs=fp.store_gbs / k)
 
 
 class MockClock:
@@ -134,14 +146,12 @@ class MockClock:
 
 @dataclass
 class TierCounters:
-    """Tokens each request got from where (the engines' own accounting, summed over the process)."""
+    """Tokens each fetch got from where (the engines' own accounting, summed over the process)."""
 
     fetches: int = 0
     global_tokens: int = 0
     local_cpu_tokens: int = 0
     fetch_s: float = 0.0  # model seconds spent in fetches (their sum)
-    puts: int = 0
-    put_blocks: int = 0
 
 
 class _Sink:
@@ -162,8 +172,8 @@ class _Pin:
 
 
 class SharedTiers:
-    """The process's global tier (the simulator's, with the links and pool of the profile) and the
-    retrieve costs every fetch pays; ``view(pos)`` is one instance's face of it."""
+    """The process's global tier (the simulator's ``GlobalTier``, with the profile's links and its
+    fetch path) and the retrieve costs every fetch pays; ``view(pos)`` is one instance's face of it."""
 
     def __init__(self, profile: Profile, block_size: int, n_instances: int, clock: MockClock, *,
                  global_blocks: int, local_cpu_blocks: int = 0, costs: RetrieveCosts | None = None) -> None:
@@ -176,7 +186,9 @@ class SharedTiers:
         n_nodes = max(1, -(-n_instances // profile.instances_per_node))
         self.net = Network(self._schedule)
         self.links = Links(n_instances, n_nodes, profile.host_link_bytes_per_s, profile.link_bytes_per_s)
-        self.tier = GlobalTier(global_blocks, _Sink(), self.net, self.links, self.bpb)  # type: ignore[arg-type]
+        self.tier = GlobalTier(global_blocks, _Sink(), self.net, self.links, self.bpb,  # type: ignore[arg-type]
+                               fetch_path=self.costs.effective(self.costs.global_), call_at=self.call_at,
+                               block_tokens=block_size)
         self.per_node = profile.instances_per_node
         self.after_wake: list[Callable[[], None]] = []  # cores flush their KV events after transfers end
 
@@ -185,6 +197,16 @@ class SharedTiers:
 
     def _wake(self, t: float, version: int) -> None:
         self.net.on_wake(t, version)
+        self._flush()
+
+    def call_at(self, t: float, fn: Callable[[float], None]) -> None:
+        self.clock.call_at(t, self._run, fn, t)
+
+    def _run(self, fn: Callable[[float], None], t: float) -> None:
+        fn(t)
+        self._flush()
+
+    def _flush(self) -> None:
         for fn in self.after_wake:
             fn()
 
@@ -193,13 +215,15 @@ class SharedTiers:
 
     def set_costs(self, doc: Any) -> RetrieveCosts:
         self.costs = self.costs.updated(doc)
+        # The global tier fetches and puts along its fetch path: swap in the new one.
+        self.tier.fp = self.costs.effective(self.costs.global_)
         log.info("retrieve costs now %s", self.costs.to_dict())
         return self.costs
 
 
 class TierView:
-    """One instance's tiers: what the simulator's engine calls ``gtier`` (lookup, fetch, store,
-    copy-out), with the instance's local CPU tier in front of the shared global one."""
+    """One instance's tiers: what the simulator's engine calls ``gtier`` (lookup, store, copy-out:
+    the shared ``GlobalTier``'s), with the instance's local CPU tier in front of the global one."""
 
     def __init__(self, shared: SharedTiers, pos: int, node: int) -> None:
         self.shared = shared
@@ -207,20 +231,21 @@ class TierView:
         self.node = node
         cap = shared.local_cpu_blocks
         self.cpu = PrefixCache(cap) if cap > 0 else None
-        self._pending: list[tuple[np.ndarray, int]] = []  # puts of this step, visible when done
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup_pin(self, blocks: np.ndarray, after: int, now: float) -> tuple[int, _Pin | None]:
+        tier = self.shared.tier
         cpu = 0
         if self.cpu is not None:
             node, cpu = self.cpu.match(blocks)
+            cpu = tier.chunk_floor(cpu)  # LMCache hits whole chunks only
             if cpu:
                 self.cpu.touch(node, now)
-        g, gnode = self.shared.tier.lookup_pin(blocks, after, now)
+        g, gnode = tier.lookup_pin(blocks, after, now)
         held = max(g, cpu)
         if held <= after:
             if gnode is not None:
-                self.shared.tier.unpin(gnode, now)
+                tier.unpin(gnode, now)
             return held, None
         return held, _Pin(gnode, cpu)
 
@@ -231,17 +256,14 @@ class TierView:
 
     # ---- fetch ---------------------------------------------------------------------------------
     def fetch_request(self, r: SimRequest, now: float, done: Callable[[float], None]) -> int:
-        """Load ``r``'s blocks past its GPU hit: those the local CPU tier holds over the local path,
-        the rest from the global tier; ``done`` when both have arrived. Returns the tokens the local
-        CPU tier supplies."""
+        """Load ``r``'s blocks past its GPU hit: those the local CPU tier holds along the local path,
+        the rest from the global tier along its fetch path; ``done`` when both have arrived. Returns
+        the tokens the local CPU tier supplies."""
         sh = self.shared
-        costs = sh.costs
         pin: _Pin = r.gnode
         h, g = r.local_blocks, r.local_blocks + r.global_blocks
         c = min(max(pin.cpu, h), g)
-        bs = sh.bs
-        parts = [(c - h, costs.local_cpu, False), (g - c, costs.global_, True)]
-        pending = [sum(1 for n, _, _ in parts if n > 0)]
+        pending = [(c > h) + (g > c)]
         t_end = [now]
 
         def one(t: float) -> None:
@@ -252,100 +274,44 @@ class TierView:
                 done(t_end[0])
 
         sh.counters.fetches += 1
-        for n, path, remote in parts:
-            if n <= 0:
-                continue
-            tokens = n * bs
-            if remote:
-                sh.counters.global_tokens += tokens
-            else:
-                sh.counters.local_cpu_tokens += tokens
-            start = now + costs.seconds(path, tokens)
-            sh.clock.call_at(start, self._transfer, r.blocks[h:g] if remote else None, n, remote,
-                             costs.rate(path), start, one)
+        if c > h:
+            sh.counters.local_cpu_tokens += (c - h) * sh.bs
+            self._local(c - h, now, one)
+        if g > c:
+            sh.counters.global_tokens += (g - c) * sh.bs
+            sh.tier.fetch(self.pos, self.node, r.blocks[c:g], now, one)
         if pending[0] == 0:
             done(now)
-        return (c - h) * bs
+        return (c - h) * sh.bs
 
-    def _transfer(self, blocks: np.ndarray | None, n: int, remote: bool, cap: float, t: float,
-                  done: Callable[[float], None]) -> None:
+    def _local(self, n: int, now: float, done: Callable[[float], None]) -> None:
+        """``n`` blocks host -> GPU along the local CPU tier's path (its own cap on the GPU's PCIe)."""
         sh = self.shared
-        L = sh.links
-        # The request's own retrieve path is one more resource on its flows: it caps their rate.
-        own = (Resource("retrieve", cap),) if math.isfinite(cap) else ()
-        nbytes = n * sh.bpb
-        if not remote:
-            sh.net.start(t, [(nbytes, (L.h2d[self.pos], *own))], done)
-            return
-        assert blocks is not None
-        parts: list[tuple[float, tuple[Resource, ...]]] = []
-        for home, nb in enumerate(sh.tier.homes(blocks[len(blocks) - n:]).tolist()):
-            if not nb:
-                continue
-            res = (L.h2d[self.pos], *own) if home == self.node else (L.h2d[self.pos], L.rx[self.node], L.tx[home], *own)
-            parts.append((nb * sh.bpb, res))
-        sh.net.start(t, parts, done)
+        fp = sh.costs.effective(sh.costs.local_cpu)
+        own = (Resource("local-fetch", fp.request_bps),) if math.isfinite(fp.request_bps) else ()
+        parts = [(n * sh.bpb, (sh.links.h2d[self.pos], *own))]
+        fixed = fp.fixed_s(-(-n // sh.tier.chunk_blocks))
+        sh.call_at(now + fixed, lambda t: sh.net.start(t, parts, done))
 
     # ---- store ---------------------------------------------------------------------------------
-    def store(self, blocks: np.ndarray, start: int, end: int, now: float) -> tuple[int, int]:
-        """Which of ``blocks[:end]`` are new to the global tier (they are put); the local CPU tier
-        takes them at once (LMCache's local backend is written on the save)."""
+    def chunk_floor(self, n: int) -> int:
+        return self.shared.tier.chunk_floor(n)
+
+    def plan_store(self, blocks: np.ndarray, end: int) -> int:
+        """Where the global tier's put of ``blocks[:end]`` starts; the local CPU tier takes the
+        blocks at once (LMCache's local backend is written on the save)."""
         if self.cpu is not None:
             node, p = self.cpu.match(blocks[:end])
+            t = self.shared.clock.now()
             if p < end and self.cpu.make_room(end - p):
-                self.cpu.insert(blocks, end, now)
+                self.cpu.insert(blocks, end, t)
             elif p:
-                self.cpu.touch(node, now)
-        tier = self.shared.tier
-        node, p = tier.cache.match(blocks[:end])
-        if p >= end:
-            tier.cache.touch(node, now)
-            return end, end
-        self._pending.append((blocks, end))
-        return p, end
+                self.cpu.touch(node, t)
+        return self.shared.tier.plan_store(blocks, end)
 
-    def copy_out(self, gpu: int, node: int, new: list[np.ndarray], now: float, done: Callable[[float], None]) -> None:
-        """The device->host copy ends the step (``done``); the put's blocks become visible in the
-        global tier when the copy and the background put to their home nodes have both finished."""
-        sh = self.shared
-        L = sh.links
-        puts, self._pending = self._pending, []
-        nbytes = sum(len(b) for b in new) * sh.bpb
-        bg: list[tuple[float, tuple[Resource, ...]]] = []
-        if sh.tier.n_nodes > 1:
-            per_home = sum(sh.tier.homes(b) for b in new)
-            bg = [(nb * sh.bpb, (L.tx[self.node], L.rx[home])) for home, nb in enumerate(per_home.tolist())
-                  if nb and home != self.node]
-        left = [2 if bg else 1]
-
-        def landed(t: float) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                self._publish(puts, t)
-
-        def copied(t: float) -> None:
-            landed(t)
-            done(t)
-
-        sh.net.start(now, [(nbytes, (L.d2h[self.pos],))], copied)
-        if bg:
-            sh.net.start(now, bg, landed)
-
-    def _publish(self, puts: list[tuple[np.ndarray, int]], t: float) -> None:
-        tier = self.shared.tier
-        c = self.shared.counters
-        for blocks, end in puts:
-            node, p = tier.cache.match(blocks[:end])
-            if p >= end:
-                continue
-            tier.cache.pin(node, t)
-            if not tier.cache.make_room(end - p):
-                end = p + max(0, int(tier.cache.free))
-            tier.cache.unpin(node, t)
-            if end > p:
-                tier.cache.insert(blocks, end, t)
-                c.puts += 1
-                c.put_blocks += end - p
+    def copy_out(self, gpu: int, node: int, puts: list[Put], now: float, done: Callable[[float], None]) -> float:
+        """The global tier's: the copy ends the step, the put is visible to every instance once it landed."""
+        return self.shared.tier.copy_out(self.pos, self.node, puts, now, done)
 
 
 @dataclass

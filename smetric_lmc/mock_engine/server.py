@@ -89,7 +89,14 @@ class MockEngineServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        # What routers' worker discovery reads (SGLang's router tries the first name of each pair).
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self._model_info)
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self._server_info)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/v1/chat/completions/render", self._render_chat)
+        app.router.add_post("/v1/completions/render", self._render_completion)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/mock/cache", self._cache)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
@@ -101,6 +108,18 @@ class MockEngineServer:
     # ---- small endpoints ------------------------------------------------------------------------
     async def _health(self, _r: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def _model_info(self, _r: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "tokenizer_path": None, "is_generation": True,
+                                  "served_model_name": self.model})
+
+    async def _server_info(self, _r: web.Request) -> web.Response:
+        c = self.core
+        return web.json_response({"model_id": self.model, "model_path": self.model, "served_model_name": self.model,
+                                  "instance_id": c.instance_id, "worker_type": "regular",
+                                  "kv_block_size": c.block_size, "effective_attention_block_size": c.block_size,
+                                  "max_model_len": c.max_model_len, "num_gpu_blocks": c.num_gpu_blocks,
+                                  "prefix_caching_hash_algo": c.hash_algo})
 
     async def _models(self, _r: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "vllm", "root": self.model,
@@ -115,6 +134,35 @@ class MockEngineServer:
             return _error(400, str(exc))
         return web.json_response({"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids,
                                   "token_strs": None})
+
+    def _generate_request(self, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        """vLLM's ``GenerateRequest`` (what its render endpoints answer): the prompt's token ids and
+        the sampling parameters the request carried."""
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        return {"request_id": uuid.uuid4().hex, "token_ids": ids, "token_offsets": None, "features": None,
+                "content_parts": None, "sampling_params": {"max_tokens": max_tokens}, "model": self.model,
+                "stream": bool(body.get("stream")), "cache_salt": body.get("cache_salt"), "priority": 0,
+                "kv_transfer_params": None}
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/render`` (vLLM 0.32): the rendered chat prompt's token ids,
+        which vLLM's router tokenizes requests with."""
+        return await self._render(request, chat=True)
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        """``POST /v1/completions/render``: one ``GenerateRequest`` per prompt (here: one)."""
+        return await self._render(request, chat=False)
+
+    async def _render(self, request: web.Request, chat: bool) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            ids = _chat_ids(body) if chat else _prompt_ids(body)
+        except (ValueError, BadRequest) as exc:
+            return _error(400, str(exc))
+        req = self._generate_request(body, ids)
+        return web.json_response(req if chat else [req])
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.core, self.model), content_type="text/plain")

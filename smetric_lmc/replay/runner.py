@@ -50,8 +50,13 @@ class ReplayConfig:
     # tokens the engine actually generated (vLLM's return_token_ids), as an agent does, so the answer's
     # blocks can hit too; off: the recorded tokens stand in for the answer and never hit.
     feedback: bool = True
+    # Send each prompt as the text whose characters are its token ids (ids below 128: ASCII), for
+    # routers that take only text prompts (SGLang's); the mock engine's byte tokenizer maps it back.
+    text_prompts: bool = False
 
     def __post_init__(self) -> None:
+        if self.text_prompts and self.tokens.vocab_size > 128:
+            raise ValueError("text_prompts needs token ids below 128 (tokens.vocab_size <= 128)")
         for name in ("rate", "time_scale", "context_scale", "output_scale", "concurrency", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -225,7 +230,8 @@ class Replay:
             rec.arrival = rec.finish = self._now()
             self._done(rec)
             return None
-        body = {"model": cfg.model, "prompt": ids, "max_tokens": out, "ignore_eos": True, "temperature": 0.0,
+        prompt: list[int] | str = "".join(map(chr, ids)) if cfg.text_prompts else ids
+        body = {"model": cfg.model, "prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": cfg.feedback}
         generated: list[int] = []
         async with self._sem:
@@ -273,7 +279,10 @@ class Replay:
                 if any(c.get("text") or c.get("token_ids") for c in choices) and rec.first_token != rec.first_token:
                     rec.first_token = self._now()
                 for c in choices:
-                    generated.extend(c.get("token_ids") or ())
+                    ids = c.get("token_ids")
+                    if ids is None and self.cfg.text_prompts:
+                        ids = [ord(ch) for ch in c.get("text") or ""]  # a router that drops token_ids
+                    generated.extend(ids or ())
                 usage = obj.get("usage")
                 if isinstance(usage, dict):
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)

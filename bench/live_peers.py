@@ -1,0 +1,571 @@
+"""Live, side by side: our router and the routers users run today, in front of the same mock cluster.
+
+    python bench/live_peers.py            # 16 instances, both workloads, a load sweep, peers tuned
+    python bench/live_peers.py --quick    # 8 instances, both workloads, 2 loads, documented defaults
+    python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
+
+Router configurations: ours through our controller + gateway (``smetric``, ``smetric_ect``,
+``load_balance``), vLLM's router ``vllm-router`` 0.1.17 (``kv_aware`` fed by the engines' KV events,
+``sticky_least_loaded``, ``cache_aware``, ``power_of_two``, ``round_robin``) and SGLang's
+``sglang-router`` 0.3.2 (``cache_aware``, ``power_of_two``). Each run starts a fresh mock cluster
+(``smetric mock-engine``: the simulator's engine model in real time, one global KV tier shared by
+the instances, LMCache's retrieve path at its default cost), the router in front of it, and replays
+the workload with ``smetric replay``'s runner (every turn resends the session's context as token
+ids to ``/v1/completions``). The workloads: the Trace-1 preset and the real WEKA Claude Code
+sessions (``$SMETRIC_SHARED/traces``), their contexts scaled down so a 2-core machine can drive them.
+
+Per run: TPS within SLO, TTFT p50/p99, where prompt tokens came from (the engines' own counters:
+GPU prefix cache, global tier, computed), load imbalance (max / mean prompt tokens per instance),
+the router's CPU seconds per 1,000 requests (``/proc`` of its processes) and what the router itself
+says it did (its Prometheus counters), so no configuration can silently fall back to round robin.
+Added latency: the same small requests to instant engines (``--speed 1000``) directly and through
+each router; the router's share is the difference of the percentiles.
+
+Ends with ONE JSON line: ``{"instances", "workloads", "ours_best", "best_peer",
+"ours_vs_best_peer_tps_slo", "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k",
+"router_added_latency_p99_ms", "peers_tuned"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from smetric_lmc.mock_engine.cli import MockInstance
+from smetric_lmc.mock_engine.stack import start_mock_engines
+from smetric_lmc.replay.prompts import TokenSpace
+from smetric_lmc.replay.runner import ReplayConfig, replay
+from smetric_lmc.replay.summary import summarize_records
+from smetric_lmc.sim.config import load_sim_config
+from smetric_lmc.workers import launch, up
+from smetric_lmc.workload.model import Workload
+from smetric_lmc.workload.presets import preset_workload
+
+OURS = ("smetric", "smetric_ect", "load_balance")
+VLLM = ("kv_aware", "sticky_least_loaded", "cache_aware", "power_of_two", "round_robin")
+SGLANG = ("cache_aware", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouterConf:
+    family: str  # ours | vllm | sglang
+    policy: str
+    params: tuple[tuple[str, str], ...] = ()  # extra CLI flags (peers) or policy overrides (ours)
+    tuned: bool = False
+
+    @property
+    def name(self) -> str:
+        base = f"{self.family}:{self.policy}"
+        if self.params:
+            base += "[" + ",".join(f"{k.lstrip('-')}={v}" for k, v in self.params) + "]"
+        return base
+
+
+def default_confs() -> list[RouterConf]:
+    return ([RouterConf("ours", p) for p in OURS] + [RouterConf("vllm", p) for p in VLLM]
+            + [RouterConf("sglang", p) for p in SGLANG])
+
+
+def tuning_confs() -> list[RouterConf]:
+    """The small sweep of each tunable peer's documented knobs (never ours: our policies run with
+    their defaults)."""
+    out: list[RouterConf] = []
+    for fam in ("vllm", "sglang"):
+        for thr, bal in (("0.1", "4"), ("0.6", "16")):
+            out.append(RouterConf(fam, "cache_aware", (("--cache-threshold", thr),
+                                                      ("--balance-abs-threshold", bal)), True))
+    out.append(RouterConf("vllm", "kv_aware", (("--kv-penalty-external", "0.9"),), True))
+    out.append(RouterConf("vllm", "kv_aware", (("--kv-aware-session-affinity-ttl-secs", "60"),), True))
+    return out
+
+
+@dataclass
+class Mode:
+    instances: int
+    workloads: tuple[str, ...]
+    loads: tuple[float, ...]  # root sessions per second
+    sessions: int  # root sessions replayed per run
+    context_scale: float
+    tune: bool
+    latency_requests: int  # 0: no added-latency phase
+    fresh_per_load: bool = True  # False (CI): one cluster + router per configuration, loads in a row
+
+
+MODES = {
+    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 6.0), 20, 0.05, True, 300, fresh_per_load=False),
+    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False),
+    "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
+}
+
+# The mock engines: the simulator's default profile, KV capacity cut so prefixes get evicted at
+# these scaled-down contexts (routing matters only when caches fill), a global tier shared by the
+# instances, engines 4x slower than the profile so the knee falls at a rate two cores can offer.
+MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", "--speed", "0.25")
+
+
+# ---- processes ---------------------------------------------------------------------------------
+def _cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of ``pids`` and their children that were waited for."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in f[11:15]) / tick  # utime stime cutime cstime
+    return total
+
+
+def _steal() -> float:
+    f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return float(f[7]) / max(1.0, sum(float(x) for x in f))
+
+
+class Router:
+    """One router configuration running in front of ``infos``; ``url`` takes OpenAI requests."""
+
+    def __init__(self, conf: RouterConf, infos: list[MockInstance], workdir: Path) -> None:
+        self.conf = conf
+        self.infos = infos
+        self.workdir = workdir
+        self.groups: list[launch.ProcessGroup] = []
+        self.url = ""
+        self.metrics_url = ""
+        self.argv: list[str] = []
+
+    def start(self) -> None:
+        if self.conf.family == "ours":
+            self._start_ours()
+        else:
+            self._start_peer()
+
+    def _start_ours(self) -> None:
+        route_port, metrics_port, port = launch.free_ports(3)
+        cfg = up.controller_config(self.infos, route_url=f"tcp://127.0.0.1:{route_port}",  # type: ignore[arg-type]
+                                   metrics_port=metrics_port, policy=self.conf.policy,
+                                   policy_overrides=dict(self.conf.params) or None, metrics_poll_s=1.0)
+        path = up.write_config(cfg, self.workdir / "smetric.yaml")
+        self.groups.append(up.start_controller(path, metrics_port, self.workdir))
+        self.groups.append(up.start_gateway(path, port, self.workdir))
+        self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.argv = [f"smetric controller --config smetric.yaml  (policy: {self.conf.policy})",
+                     f"smetric gateway --config smetric.yaml --port {port}"]
+
+    def _start_peer(self) -> None:
+        port, prom = launch.free_ports(2)
+        urls = [i.http_url for i in self.infos]
+        exe = shutil.which(f"{self.conf.family}-router", path=str(Path(sys.executable).parent)) \
+            or shutil.which(f"{self.conf.family}-router")
+        if exe is None:
+            raise RuntimeError(f"{self.conf.family}-router is not installed (pip install -e '.[live-peers]')")
+        argv = [exe] + (["launch"] if self.conf.family == "sglang" else [])
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", self.conf.policy,
+                 "--worker-urls", *urls, "--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1",
+                 "--worker-startup-check-interval", "1", "--log-level", "info"]
+        if self.conf.family == "vllm" and self.conf.policy == "kv_aware":
+            argv += ["--kv-event-model", self.infos[0].model,
+                     "--kv-event-block-size", str(self.infos[0].block_size)]
+            for i in self.infos:
+                argv += ["--kv-event-source", f"{i.http_url}={i.kv_events_endpoint}"]
+                if i.replay_endpoint:
+                    argv += ["--kv-event-replay-source", f"{i.http_url}={i.replay_endpoint}"]
+        for k, v in self.conf.params:
+            argv += [k, v]
+        g = launch.ProcessGroup(argv, dict(os.environ), self.workdir / "router.log", self.conf.name)
+        g.start()
+        self.groups.append(g)
+        self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{prom}/metrics"
+        self.argv = [" ".join([Path(argv[0]).name, *argv[1:]])]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if g.poll() is not None:
+                raise RuntimeError(f"{self.conf.name} exited; log tail:\n{launch.tail_file(g.log_path)}")
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.conf.name} not up after 60 s")
+
+    def policy_log(self) -> list[str]:
+        """The router's own log lines naming the policy it runs (peers only)."""
+        import re
+
+        path = self.workdir / "router.log"
+        if self.conf.family == "ours" or not path.exists():
+            return []
+        text = re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace"))
+        return [ln[-220:] for ln in text.splitlines() if "Assigning policy" in ln or "policy: " in ln][:2]
+
+    def cpu_s(self) -> float:
+        return _cpu_s([p for p in (g.pid for g in self.groups) if p])
+
+    def stop(self) -> None:
+        for g in reversed(self.groups):
+            g.stop()
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+async def _get_json(s: aiohttp.ClientSession, url: str) -> Any:
+    async with s.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return await r.json()
+
+
+async def _get_text(s: aiohttp.ClientSession, url: str) -> str:
+    try:
+        async with s.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return f"# unreachable: {exc}"
+
+
+def engine_stats(infos: list[MockInstance]) -> list[dict[str, Any]]:
+    async def main() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as s:
+            return list(await asyncio.gather(*(_get_json(s, f"{i.http_url}/mock/stats") for i in infos)))
+
+    return asyncio.run(main())
+
+
+def router_counters(url: str, family: str) -> dict[str, float]:
+    """The router's own account of its decisions, from its Prometheus text."""
+    async def main() -> str:
+        async with aiohttp.ClientSession() as s:
+            return await _get_text(s, url)
+
+    text = asyncio.run(main())
+    keep = {"ours": ("smetric_route_decisions_total", "smetric_routed_total", "smetric_decisions_total"),
+            "vllm": ("vllm_router_prefix_routing_decisions_total", "vllm_router_kv_placement_lookups_total",
+                     "vllm_router_policy_decisions_total", "vllm_router_processed_requests_total"),
+            "sglang": ("smg_router_", "smg_worker_requests", "policy_decisions", "cache_hits", "cache_misses",
+                       "processed_requests", "smg_worker_selected", "smg_routing")}[family]
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not any(k in line for k in keep) or "_bucket" in line or "duration" in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def summarize_counters(c: dict[str, float]) -> dict[str, float]:
+    """Collapse per-worker series into per-outcome totals so a row stays readable."""
+    agg: dict[str, float] = {}
+    for name, v in c.items():
+        base = name.split("{", 1)[0]
+        labels = name.split("{", 1)[1].rstrip("}") if "{" in name else ""
+        keep = [x for x in labels.split(",") if x and not x.startswith(("worker=", "url="))]
+        key = base + ("{" + ",".join(keep) + "}" if keep else "")
+        agg[key] = agg.get(key, 0.0) + v
+    return agg
+
+
+def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[float], mode: Mode,
+              root: Path) -> list[dict[str, Any]]:
+    """A fresh mock cluster and ``conf`` in front of it; the workload replayed at each of ``rates`` in
+    turn (one rate per cluster unless the mode says otherwise)."""
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=list(MOCK_ARGS))
+    infos = [i for i, _ in started]
+    groups = list({id(g): g for _, g in started}.values())
+    router = Router(conf, infos, work)
+    rows: list[dict[str, Any]] = []
+    try:
+        router.start()
+        for rate in rates:
+            rows.append(_measure(router, infos, conf, wl_name, wl, rate, mode))
+    finally:
+        router.stop()
+        for g in groups:
+            g.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_name: str, wl: Workload,
+             rate: float, mode: Mode) -> dict[str, Any]:
+    before = engine_stats(infos)
+    cpu0, steal0, t0 = router.cpu_s(), _steal(), time.monotonic()
+    cfg = ReplayConfig(url=router.url, rate=rate, sessions=mode.sessions, context_scale=mode.context_scale,
+                       output_scale=mode.context_scale, time_scale=0.05, max_think_s=60.0,
+                       max_model_len=6144, timeout_s=120.0, seed=1,
+                       # text prompts (ASCII ids) for every router: SGLang's takes text only
+                       tokens=TokenSpace(128, 16), text_prompts=True)
+    records = replay(wl, cfg)
+    wall = time.monotonic() - t0
+    cpu = router.cpu_s() - cpu0
+    steal = _steal() - steal0
+    res = summarize_records(records, load_sim_config(None), conf.name).summary
+    after = engine_stats(infos)
+    counters = summarize_counters(router_counters(router.metrics_url, conf.family))
+
+    def delta(key: str) -> list[int]:
+        return [a["counters"][key] - b["counters"][key] for a, b in zip(after, before)]
+
+    prompt = delta("prompt_tokens")
+    gpu = sum(delta("gpu_hit_tokens"))
+    glob = sum(delta("global_hit_tokens")) + sum(delta("cpu_hit_tokens"))
+    total = max(1, sum(prompt))
+    n_ok = max(1, res["requests"] - res["failed"])
+    return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
+            "workload": wl_name, "rate": rate, "requests": res["requests"], "failed": res["failed"],
+            "tps_slo": res["tps_slo"], "ttft_p50": res.get("ttft_p50"), "ttft_p99": res.get("ttft_p99"),
+            "local_share": gpu / total, "global_share": glob / total, "miss_share": 1 - (gpu + glob) / total,
+            "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
+            "per_instance_requests": delta("requests_ok"),
+            "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
+            "counters": counters, "policy_log": router.policy_log(), "argv": router.argv}
+
+
+async def _latency(direct: str, via: str, n: int, rate: float) -> tuple[list[float], list[float]]:
+    """``n`` pairs of small completions at ``rate`` pairs per second, one straight to an engine and
+    one through the router, back to back so machine noise hits both alike; latencies in ms."""
+    out: tuple[list[float], list[float]] = ([], [])
+    body = {"model": "tiny", "prompt": "".join(map(chr, range(32, 96))), "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        async def one(url: str, sink: list[float]) -> None:
+            t = time.perf_counter()
+            async with s.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+                if r.status == 200:
+                    sink.append((time.perf_counter() - t) * 1e3)
+
+        for _ in range(n):
+            t = time.perf_counter()
+            await one(direct, out[0])
+            await one(via, out[1])
+            await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
+    """The router's p50/p99 over instant engines: through it minus straight to an engine, same
+    requests at the same rate, back to back in one run."""
+    work = Path(tempfile.mkdtemp(prefix="lat-", dir=root))
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=["--speed", "1000"])
+    infos = [i for i, _ in started]
+    groups = list({id(g): g for _, g in started}.values())
+    router = Router(conf, infos, work)
+    try:
+        router.start()
+        asyncio.run(_latency(infos[0].http_url, router.url, 20, 50))  # warm-up (connections, caches)
+        direct, via = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 50))
+    finally:
+        router.stop()
+        for g in groups:
+            g.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"p50_ms": _pct(via, 50) - _pct(direct, 50), "p99_ms": _pct(via, 99) - _pct(direct, 99),
+            "direct_p99_ms": _pct(direct, 99), "via_p99_ms": _pct(via, 99)}
+
+
+def load_workloads(names: Sequence[str], sessions: int) -> dict[str, Workload]:
+    out: dict[str, Workload] = {}
+    for name in names:
+        if name == "trace1":
+            out[name] = preset_workload("trace1", sessions * 4, seed=7)
+        else:
+            from smetric_lmc.workload import load_any
+
+            shared = Path(os.environ.get("SMETRIC_SHARED", "../shared"))
+            path = shared / "traces" / "weka-claude-code.tar.xz"
+            if not path.exists():
+                raise SystemExit(f"live_peers: the WEKA trace is not at {path} (set SMETRIC_SHARED)")
+            out[name] = load_any(path, progress=False)
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------------
+def best_per_router(rows: list[dict[str, Any]], wl: str) -> dict[str, float]:
+    """Each configuration's best TPS within SLO over the load sweep (its knee)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        if r["workload"] == wl:
+            best[r["router"]] = max(best.get(r["router"], 0.0), r["tps_slo"])
+    return best
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'router':58s} {'wl':6s} {'rate':>5s} {'req':>5s} {'fail':>4s} {'TPS@SLO':>9s} {'TTFT50':>7s} "
+            f"{'TTFT99':>7s} {'local':>6s} {'global':>6s} {'miss':>6s} {'imbal':>6s} {'cpu/1k':>8s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['router'][:58]:58s} {r['workload']:6s} {r['rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
+                     f"{r['tps_slo']:9.0f} {r['ttft_p50'] or 0:7.2f} {r['ttft_p99'] or 0:7.2f} "
+                     f"{r['local_share']:6.1%} {r['global_share']:6.1%} {r['miss_share']:6.1%} "
+                     f"{r['imbalance']:6.2f} {r['router_cpu_ms_per_1k']:8.0f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(wls), figsize=(6.5 * len(wls), 4.5), squeeze=False)
+    for ax, wl in zip(axes[0], wls):
+        routers = sorted({r["router"] for r in rows if r["workload"] == wl and not r["tuned"]})
+        for name in routers:
+            pts = sorted((r["rate"], r["tps_slo"]) for r in rows if r["workload"] == wl and r["router"] == name)
+            style = "-o" if name.startswith("ours") else "--s"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, ms=4)
+        ax.set_title(f"{wl}")
+        ax.set_xlabel("offered load (root sessions / s)")
+        ax.set_ylabel("TPS within SLO (tokens / s)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="8 instances, 2 loads, defaults only (<= 8 min)")
+    g.add_argument("--ci", action="store_true", help="the CI smoke: Trace-1 only, short runs")
+    ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
+    ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
+    ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
+    ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
+    ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
+    args = ap.parse_args(argv)
+    mode = MODES["quick" if args.quick else "ci" if args.ci else "full"]
+    if args.instances:
+        mode.instances = args.instances
+    if args.loads:
+        try:
+            mode.loads = tuple(float(x) for x in args.loads.split(","))
+        except ValueError:
+            print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
+            return 2
+    confs = default_confs() + (tuning_confs() if mode.tune else [])
+    if args.routers:
+        want = set(args.routers.split(","))
+        confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
+        if not confs:
+            print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
+            return 2
+    wls = load_workloads(mode.workloads, mode.sessions)
+    root = Path(tempfile.mkdtemp(prefix="live-peers-"))
+    groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
+        else [(c, w, mode.loads) for w in mode.workloads for c in confs]
+    n_runs = sum(len(r) for _, _, r in groups)
+    total = n_runs + (len([c for c in confs if not c.tuned]) if mode.latency_requests else 0)
+    print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
+          f"{', '.join(mode.workloads)}, loads {mode.loads} root sessions/s: {total} runs", flush=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        k = 0
+        for conf, wl, rates in groups:
+            try:
+                got = run_group(conf, wl, wls[wl], rates, mode, root)
+            except (RuntimeError, OSError) as exc:
+                print(f"{conf.name} {wl}: FAILED: {exc}", flush=True)
+                got = [{"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
+                        "workload": wl, "rate": r, "requests": 0, "failed": -1, "tps_slo": 0.0, "ttft_p50": None,
+                        "ttft_p99": None, "local_share": 0.0, "global_share": 0.0, "miss_share": 1.0,
+                        "imbalance": 0.0, "router_cpu_ms_per_1k": 0.0, "counters": {}, "argv": [],
+                        "error": str(exc)} for r in rates]
+            for row in got:
+                k += 1
+                rows.append(row)
+                if args.rows:
+                    with args.rows.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                print(f"[{k}/{total}] {conf.name} {wl} @ {row['rate']}/s: TPS@SLO {row['tps_slo']:.0f}, "
+                      f"{row['requests']} req ({row['failed']} failed), local {row['local_share']:.0%} "
+                      f"global {row['global_share']:.0%}, imbalance {row['imbalance']:.2f}, "
+                      f"per instance {row.get('per_instance_requests')}; router says {row['counters']}  "
+                      f"[{time.monotonic() - t0:.0f} s]", flush=True)
+        lat: dict[str, dict[str, float]] = {}
+        for conf in confs:
+            if conf.tuned or not mode.latency_requests:
+                continue
+            k += 1
+            try:
+                lat[conf.name] = added_latency(conf, mode, root)
+            except (RuntimeError, OSError) as exc:
+                print(f"[{k}/{total}] latency {conf.name}: FAILED: {exc}", flush=True)
+                continue
+            print(f"[{k}/{total}] added latency {conf.name}: p50 {lat[conf.name]['p50_ms']:.2f} ms, "
+                  f"p99 {lat[conf.name]['p99_ms']:.2f} ms", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(table(rows))
+    print()
+    print("command lines:")
+    for r in rows:
+        if r["argv"] and r["rate"] == mode.loads[0] and r["workload"] == mode.workloads[0]:
+            print(f"  {r['router']}: " + " ; ".join(r["argv"]))
+    ratio: dict[str, float] = {}
+    sm_ratio: dict[str, float] = {}
+    ours_best = best_peer = ""
+    for wl in mode.workloads:
+        best = best_per_router(rows, wl)
+        ours = {k: v for k, v in best.items() if k.startswith("ours:")}
+        peers = {k: v for k, v in best.items() if not k.startswith("ours:")}
+        if not ours or not peers:
+            continue
+        ob = max(ours, key=lambda k: ours[k])
+        pb = max(peers, key=lambda k: peers[k])
+        ours_best, best_peer = ob, pb
+        ratio[wl] = ours[ob] / peers[pb] if peers[pb] > 0 else float("inf")
+        sm = ours.get("ours:smetric", 0.0)
+        sm_ratio[wl] = sm / peers[pb] if peers[pb] > 0 else float("inf")
+        print(f"{wl}: ours best {ob} {ours[ob]:.0f} tok/s vs best peer {pb} {peers[pb]:.0f} tok/s -> "
+              f"{ratio[wl]:.3f}x (smetric {sm_ratio[wl]:.3f}x)")
+    cpu: dict[str, float] = {}
+    for r in rows:
+        if not r["tuned"] and r["requests"]:
+            cpu.setdefault(r["router"], []).append(r["router_cpu_ms_per_1k"])  # type: ignore[attr-defined]
+    cpu_ms = {k: round(statistics.median(v), 1) for k, v in cpu.items()}  # type: ignore[arg-type]
+    if args.plot:
+        plot(rows, args.plot, f"bench/live_peers.py {'--quick' if args.quick else '--ci' if args.ci else ''} "
+                              f"({mode.instances} mock instances)")
+        print(f"plot: {args.plot}")
+    print(json.dumps({"instances": mode.instances, "workloads": list(mode.workloads), "ours_best": ours_best,
+                      "best_peer": best_peer, "ours_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in ratio.items()},
+                      "smetric_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in sm_ratio.items()},
+                      "router_cpu_ms_per_1k": cpu_ms,
+                      "router_added_latency_p99_ms": {k: round(v["p99_ms"], 2) for k, v in lat.items()},
+                      "peers_tuned": mode.tune}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
