@@ -344,6 +344,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer cells and requests (a few minutes)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--parts", default="1,2,3,4", help="comma list of the parts to run")
+    ap.add_argument("--requests", type=int, default=2000, help="done reports before the learned prices are read")
     ap.add_argument("--axis", dest="axis_arg", default="", help="part 3's per-request fetch speeds, GB/s (comma list)")
     ap.add_argument("--tiers", dest="tiers_arg", default="", help="part 3's global-tier provisioning (comma list)")
     ap.add_argument("--seeds", default="0", help="part 3's arrival seeds (comma list)")
@@ -351,7 +352,6 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a smetric_ect parameter")
     a = ap.parse_args()
     q = a.quick
-    a.requests = 2000
     a.instances, a.rate, a.window = 4, 0.15, 3000.0  # 0.15 sessions/s: near the knee of 4 instances
     a.sim_gbs, a.adapt_gbs = 1.6, 6.64
     a.adapt_instances, a.adapt_rate, a.adapt_w = 8, 0.25, 120.0  # near the slow path's knee
