@@ -278,34 +278,47 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
     per_tok_true = (prof.kv_bytes_per_token / (a.live_gbps * 1e9) + 0.1e-3 / LMCACHE_CHUNK_TOKENS) * 1e6
     rng = random.Random(7)
     sessions: list[list[int]] = []
+    used: list[set[int]] = []  # instances each session's turns ran on
     trace: list[tuple[int, float]] = []
     done = 0
     slow_from: int | None = None
+    flight, queued = [0] * n_inst, [0] * n_inst
     async with running_mocks(args) as mocks, aiohttp.ClientSession() as s:
         urls = [m.http_url for m, _ in mocks]
 
         async def one(k: int) -> None:
             nonlocal done
-            # a new session (a fresh prefix) or the next turn of an earlier one, on another instance
-            if not sessions or rng.random() < 0.35:
+            # a new session (a fresh prefix) or the next turn of an earlier one, on an instance none of
+            # its turns ran on (so none holds it on its GPU: the reuse is a global-tier fetch)
+            open_ = [i for i, u in enumerate(used) if len(u) < n_inst]
+            if not open_ or rng.random() < 0.35:
                 sessions.append([rng.randrange(1, 30000) for _ in range(rng.randrange(512, 6144))])
+                used.append(set())
                 sid, turn = len(sessions) - 1, 0
             else:
-                sid = rng.randrange(len(sessions))
+                sid = rng.choice(open_)
                 sessions[sid] = sessions[sid] + [rng.randrange(1, 30000) for _ in range(rng.randrange(64, 1024))]
                 turn = 1
             prompt = sessions[sid]
-            iid = (sid + k) % n_inst
+            iid = rng.choice([i for i in range(n_inst) if i not in used[sid]])
+            used[sid].add(iid)
             rid = f"r{k}"
-            feed.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, 0.0, 0.0)
+            # the queue it joins, as the controller's load tracker would count it
+            feed.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, float(queued[iid]), float(flight[iid]))
+            flight[iid] += 1
+            queued[iid] += len(prompt)
             t0 = time.perf_counter()
             async with s.post(f"{urls[iid]}/v1/completions",
                               json={"model": "tiny", "prompt": prompt, "max_tokens": 1}) as r:
                 body = await r.json()
             ttft = time.perf_counter() - t0
+            flight[iid] -= 1
+            queued[iid] -= len(prompt)
             cached = body.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
             # wall seconds x speed = the engines' model seconds, the unit the true price is in
             feed.on_done(rid, ttft_s=ttft * a.live_speed, cached_tokens=cached, prompt_tokens=len(prompt))
+            if a.debug and k % 20 == 0:
+                log(f"debug L={len(prompt)} cached={cached} ttft_model_s={ttft * a.live_speed:.3f} turn={turn}")
             done += 1
             if turn:
                 trace.append((done, feed.book.pooled.prices().fetch_global_us))
@@ -345,6 +358,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--parts", default="1,2,3,4", help="comma list of the parts to run")
     ap.add_argument("--requests", type=int, default=2000, help="done reports before the learned prices are read")
+    ap.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--axis", dest="axis_arg", default="", help="part 3's per-request fetch speeds, GB/s (comma list)")
     ap.add_argument("--tiers", dest="tiers_arg", default="", help="part 3's global-tier provisioning (comma list)")
     ap.add_argument("--seeds", default="0", help="part 3's arrival seeds (comma list)")
