@@ -43,7 +43,6 @@ import sys
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from smetric_lmc.config import PolicyConfig
@@ -370,7 +369,7 @@ def main() -> None:
     a.sim_gbs, a.adapt_gbs = 1.6, 6.64
     a.adapt_instances, a.adapt_rate, a.adapt_w = 8, 0.25, 120.0  # near the slow path's knee
     a.adapt_seeds = (1, 2, 3) if q else (1, 2, 3, 4, 5)
-    a.axis = (0.8, 6.64) if q else (0.8, 1.6, 3.2, 6.64, 25.0)
+    a.axis = (0.8, 6.64) if q else (0.8, 1.6, 6.64, 25.0)
     a.tiers = ("full",) if q else ("0.4", "full")
     a.x, a.map_roots = 0.3, 150 if q else 300
     a.map_instances = a.map_instances or (4 if q else 8)

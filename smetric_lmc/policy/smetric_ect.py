@@ -99,8 +99,6 @@ class ECTParams:
     slack_share: float = 0.5
     drag_no_global: float = 1.0  # weight of the drag when the global tier holds none of the prefix
     queue_no_global: float = 1.0  # and of the queue term
-    slo_tpot_s: float = 0.030  # the TPOT SLO
-    slo_gate: float = 1.0  # 1: least GPU cost among instances predicted to meet the SLO
 
     @classmethod
     def from_params(cls, params: Mapping[str, float], hit_ratio: float = 0.5) -> ECTParams:
@@ -151,18 +149,6 @@ def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
         # the KV brought to instance i evicts as much of other sessions' KV (a loaded GPU cache is
         # full); serving that again costs a fetch where the global tier holds prefixes, a recompute where not
         t_evict = p.displace * (t_fetch_tok if g > 0 else t_tok)
-        if p.slo_gate:
-            own = t_tok * (L - max(ci, g)) + fetch
-            if prices is not None:
-                ttft = pr.fixed_us + t_q * q + own + pr.inflight_us * li
-                tpot = pr.decode_us + pr.decode_us_per_req * (li + 1)
-            else:
-                ttft = t_q * q + own + p.inflight_us * li
-                tpot = 0.0
-            over = max(ttft / (1e6 * (p.slo_ttft_s + p.slo_ttft_s_per_tok * L)), tpot / (1e6 * p.slo_tpot_s))
-            gpu = own * (1 + li) + t_evict * (L - ci)
-            out.append((gpu / (1.0 - over) if p.slo_gate == 1 else gpu) if over < 1.0 else 1e15 * over)
-            continue
         out.append(wq * max(0.0, t_q * q - free_us) + (t_tok * (L - max(ci, g)) + fetch) * (1 + li)
                    + wd * drag * li + t_evict * (L - ci))
     return out
