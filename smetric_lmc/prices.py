@@ -214,18 +214,6 @@ class TwoRateRLS:
             self.switches += 1
             self._since = 0
 
-    @property
-    def theta(self) -> np.ndarray:
-        return self.slow.theta
-
-    @property
-    def n(self) -> int:
-        return self.slow.n
-
-    @property
-    def noise(self) -> float:
-        return self.slow.noise
-
     def rel_std(self) -> np.ndarray:
         return self.slow.rel_std()
 
@@ -291,8 +279,8 @@ class InstanceEstimator:
     def prices(self) -> InstancePrices:
         # Negative fits (a price the data cannot separate from noise yet) count as free, never as a gain.
         if self._cache is None:
-            vals = [_nonneg(float(v)) for v in (*self.ttft.theta, *self.tpot.theta)]
-            self._cache = InstancePrices(*vals, observations=self.ttft.n, mean_output=self.mean_output)
+            vals = [_nonneg(float(v)) for v in (*self.ttft.slow.theta, *self.tpot.slow.theta)]
+            self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output)
         return self._cache
 
     def confidence(self) -> dict[str, float]:
@@ -344,7 +332,7 @@ class PriceBook:
                 "observations": p.observations,
                 "mean_output": round(p.mean_output, 1),
                 "switches": e.ttft.switches,
-                "noise": round(float(e.ttft.noise), 4),
+                "noise": round(float(e.ttft.slow.noise), 4),
             }
 
         return {
