@@ -17,16 +17,17 @@ and one of the time per output token after the first (µs)::
 by recursive least squares with exponential forgetting (``forget``: an observation's weight halves
 after ``ln 2 / -ln forget`` later ones; 0.995 -> ~140 per instance), Huber weights on residuals
 scaled by a robust running noise estimate (one outlier moves a price by at most ``huber_k`` noise
-widths' worth), equations divided by the predicted time (noise grows with the request), and a prior
+widths' worth), equations divided by the observed time (noise grows with the request), and a prior
 for a cold start (the configured policy's prices, each with a prior standard deviation of
 ``prior_rel_std`` of its value). After forgetting, each price's variance is capped at
 ``prior_rel_std`` of the larger of its prior and its estimate, so an unexcited price drifts back to
 no more uncertainty than the prior had (no wind-up).
 
 A step change in a price (the fetch path slowing 4x) is followed by a fast shadow fit
-(``fast_forget``): when it has predicted clearly better than the slow one for a while, the slow one
-adopts its state, so a step is followed within tens of that instance's requests rather than the
-slow forgetting horizon, while lone outliers (seen by both fits alike) move nothing.
+(``fast_forget``, no Huber weights): when its running prediction error (each error clipped at 3
+noise widths, so lone outliers barely move it) has stayed below ``switch_ratio`` of the slow fit's,
+the slow one adopts its state. Synthetic data (tests/test_prices.py) and the simulator
+(bench/prices.py) follow a 4x step within ~100-150 of that instance's requests.
 
 Confidence of a price: its relative standard error ``sqrt(P_ii) / |price|`` (``rel_std``);
 a price the data has not yet constrained keeps ``prior_rel_std``.

@@ -197,3 +197,25 @@ def test_without_a_global_copy_it_prices_a_move_as_lmetric_does() -> None:
         "queue_no_global": 0.0, "drag_no_global": 0.0, "slack_share": 0.0, "fetch_us": 1.0, "prefill_us": 100.0,
         "prefill_us_per_ktok": 0.0, "inflight_us": 1000.0, "queue_us_per_tok": 100.0, **HAND}}})
     assert make_policy(cfg.policy)(v).index == 0
+
+
+def test_learned_prices_in_the_view_replace_the_configured_ones() -> None:
+    from smetric_lmc.prices import DEFAULT_PRIORS, PRICE_NAMES, InstancePrices
+
+    def prices(fetch_us: float) -> InstancePrices:
+        vals = {**DEFAULT_PRIORS, "prefill_us": 100.0, "prefill_us_per_ktok": 0.0, "fetch_global_us": fetch_us,
+                "fetch_global_fixed_us": 0.0, "queue_us_per_tok": 100.0, "inflight_us": 1000.0,
+                "decode_us_per_req": 0.0}  # fmt: skip
+        return InstancePrices(*(vals[k] for k in PRICE_NAMES))
+
+    def v(fetch_us: float) -> ClusterView:
+        return ClusterView(IDS[:3], [800, 0, 0], [3, 1, 0], 1000, turn=1, est_hit=512, global_hit=800,
+                           unprefilled=[0.0] * 3, prices=[prices(fetch_us)] * 3)  # fmt: skip
+
+    # the same case as test_with_the_prefix_in_the_global_tier_it_balances / _an_expensive_fetch_keeps_affinity,
+    # priced by the view: a cheap learned fetch balances, a dear one keeps affinity, whatever the params say
+    assert smetric_ect(v(1.0), ect(100.0, 0.0, 100.0, 1000.0)).index == 2
+    assert smetric_ect(v(100.0), ect(100.0, 0.0, 1.0, 1000.0)).index == 0
+    # and the router fills them only for a policy that asks
+    assert "prices" in make_policy(PolicyConfig(name="smetric_ect")).needs
+    assert "prices" not in make_policy(PolicyConfig(name="smetric_ect_fixed")).needs
