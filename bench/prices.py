@@ -62,14 +62,23 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def steal_share() -> float | None:
-    """The machine's CPU steal share since boot (from /proc/stat), or None where unreadable."""
+def cpu_times() -> list[float] | None:
+    """The machine's CPU time counters (/proc/stat's first line), or None where unreadable."""
     try:
         with open("/proc/stat") as f:
             vals = [float(v) for v in f.readline().split()[1:]]
-        return vals[7] / sum(vals) if len(vals) > 7 else None
+        return vals if len(vals) > 7 else None
     except OSError:
         return None
+
+
+def steal_since(t0: list[float] | None) -> float | None:
+    """Share of the machine's CPU time stolen since the counters ``t0``."""
+    t1 = cpu_times()
+    if t0 is None or t1 is None:
+        return None
+    d = [b - a for a, b in zip(t0, t1)]
+    return round(d[7] / sum(d), 4) if sum(d) > 0 else None
 
 
 # ---- true prices (read by this script only) ------------------------------------------------------
@@ -384,7 +393,7 @@ def main() -> None:
     a.params = {k: float(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     parts = {int(p) for p in a.parts.split(",")}
     prof = load_profile(PROFILE)
-    steal0 = steal_share()
+    cpu0 = cpu_times()
     t0 = time.monotonic()
     res: dict[str, Any] = {}
     if 1 in parts:
@@ -411,7 +420,7 @@ def main() -> None:
         "variant_learned_vs_fixed_min": mn("vs_fixed"),
         "variant_knobs_tuned_on_eval": 0,
     }
-    log(f"wall {time.monotonic() - t0:.0f} s; machine CPU steal since boot {steal0}; quick={q}")
+    log(f"wall {time.monotonic() - t0:.0f} s; machine CPU steal during the run {steal_since(cpu0)}; quick={q}")
     log("detail " + json.dumps(res, default=str))
     print(json.dumps(line))
     sys.stdout.flush()
