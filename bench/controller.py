@@ -163,7 +163,7 @@ async def run_pipelined(endpoint: str, chains: list[HashChain], args: argparse.N
 
 def ingest_rate(n_events: int) -> float | None:
     try:
-        from vllm_payloads import ingest_benchmark
+        from kit.vllm_payloads import ingest_benchmark
     except ImportError:
         return None
     from smetric_lmc.index import TierIndex
@@ -177,8 +177,8 @@ def ingest_rate(n_events: int) -> float | None:
 
 
 # ---- HOOK: LMCache controller lookup comparison ------------------------------------------------------
-# tests/lmcache_reference.py runs LMCache 0.5.6's own KVController.lookup (inside the LMCache venv,
-# see tests/lmcache_venv.py) on an index given as admits + chunk-hash lookups. The same index is
+# kit/lmcache_reference.py runs LMCache 0.5.6's own KVController.lookup (inside the LMCache venv,
+# see kit/lmcache_venv.py) on an index given as admits + chunk-hash lookups. The same index is
 # built here in our TierIndex's LMCache tier and routed with Router.route; the ratio reported is
 # LMCache's p50 / ours (higher = we are faster; target >= 10). Skipped (null) without the venv.
 def lmcache_comparison(args: argparse.Namespace) -> tuple[float, float, float] | None:
@@ -186,17 +186,12 @@ def lmcache_comparison(args: argparse.Namespace) -> tuple[float, float, float] |
     import subprocess
     import tempfile
 
-    sys.path.insert(0, str(REPO / "tests"))
-    try:
-        from lmcache_venv import lmcache_python  # type: ignore[import-not-found]
-    except Exception:
-        return None
-    finally:
-        sys.path.pop(0)
-    script = REPO / "tests" / "lmcache_reference.py"
+    from kit.lmcache_venv import lmcache_python
+
+    script = Path(__file__).resolve().parent / "kit" / "lmcache_reference.py"
     py = lmcache_python()
-    if py is None or not script.is_file():
-        print("  LMCache venv or tests/lmcache_reference.py missing; comparison skipped")
+    if py is None:
+        print("  LMCache venv missing; comparison skipped")
         return None
     from smetric_lmc.config import PolicyConfig
     from smetric_lmc.index import TierIndex
@@ -311,5 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: One-question probes of the controller's parts (bench/kit/probes), run as `--probe NAME [ARGS]`.
+PROBES = ("index_stalls", "load_scans", "gc_pauses", "inflight_bytes")
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from kit import probes
+
+    rc = probes.run(sys.argv[1:], PROBES, "bench/controller.py")
+    sys.exit(main() if rc is None else rc)

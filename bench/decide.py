@@ -195,5 +195,15 @@ def main() -> None:
     }))
 
 
+#: One-question probes of the decision's inputs (bench/kit/probes), run as `--probe NAME [ARGS]`.
+PROBES = ("est_hit_error",)
+
 if __name__ == "__main__":
+    import sys
+
+    from kit import probes
+
+    rc = probes.run(sys.argv[1:], PROBES, "bench/decide.py")
+    if rc is not None:
+        sys.exit(rc)
     main()

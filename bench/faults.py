@@ -45,19 +45,17 @@ import yaml
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from kit.index_content import same_content
 
 from smetric_lmc.client import RouteClient, RouteError
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-from smetric_lmc.controller.vllm_events import apply_batch, decode_payload
+from smetric_lmc.controller.vllm_plan import apply_batch
+from smetric_lmc.controller.vllm_wire import decode_payload
 from smetric_lmc.gateway import Gateway
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as index_snapshot
 from smetric_lmc.workers.launch import free_ports
-
-# Index comparison is test code shared with tests/reliability, not package code.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from index_content import same_content  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 METRICS = (
@@ -128,7 +126,7 @@ async def dead_engine(poll_s: float = 1.0, clients: int = 4) -> dict[str, Any]:
     try:
         await _until(lambda: all(_answers(p) for p in eports), 20, "engines")
         await app.start()
-        await _until(lambda: sorted(app.routable()) == ["e0", "e1"], 10, "both engines routable")
+        await _until(lambda: sorted(app.membership.routable_ids()) == ["e0", "e1"], 10, "both engines routable")
         gw = Gateway(cfg, route_timeout_s=1.0)
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
@@ -152,7 +150,7 @@ async def dead_engine(poll_s: float = 1.0, clients: int = 4) -> dict[str, Any]:
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
         procs["e1"].send_signal(signal.SIGKILL)
-        t_out = await _until(lambda: app.routable() == ["e0"], 30, "e1 out under traffic")
+        t_out = await _until(lambda: app.membership.routable_ids() == ["e0"], 30, "e1 out under traffic")
         out["dead_engine_out_s"] = round(t_out - t_kill, 4)
         await asyncio.sleep(0.5)
         stop.set()
@@ -162,13 +160,13 @@ async def dead_engine(poll_s: float = 1.0, clients: int = 4) -> dict[str, Any]:
         procs["e1"].wait()
         procs["e1"] = _engine(eports[1])
         t_up = await _until(lambda: _answers(eports[1]), 20, "e1 listening", poll_s=0.005)
-        t_back = await _until(lambda: sorted(app.routable()) == ["e0", "e1"], 30, "e1 back")
+        t_back = await _until(lambda: sorted(app.membership.routable_ids()) == ["e0", "e1"], 30, "e1 back")
         out["engine_back_s"] = round(t_back - t_up, 4)
 
         await asyncio.sleep(poll_s * 1.5)  # let a regular poll go by: idle, the poll alone tells
         t_kill = time.monotonic()
         procs["e1"].send_signal(signal.SIGKILL)
-        t_out = await _until(lambda: app.routable() == ["e0"], 30, "e1 out idle")
+        t_out = await _until(lambda: app.membership.routable_ids() == ["e0"], 30, "e1 out idle")
         out["dead_engine_out_idle_s"] = round(t_out - t_kill, 4)
         out["poll_s"] = poll_s
     finally:

@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from validate import probe_routes  # noqa: E402
+from validate import probe_routes
 
 from smetric_lmc.mock_engine.stack import bring_up_mock  # noqa: E402
 from smetric_lmc.replay.compare import warm_up  # noqa: E402

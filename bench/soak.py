@@ -7,11 +7,11 @@ Phases, in order:
 
 1. hostile storm: a ``ControllerApp`` (route socket, LMCache worker sockets, one KV-event
    subscriber) runs in this process with a loop-lag probe on its event loop; a second process
-   plays the hostile peers: messages drawn from ``tests/hostile.py`` (random, truncated, wrong
+   plays the hostile peers: messages drawn from ``bench/kit/hostile.py`` (random, truncated, wrong
    types, deep nesting, huge lists, extreme integers, bad framing, protocol abuse) to the route
    ROUTER and the LMCache ROUTER (counting every reply), PUSHed to the LMCache PULL, and published
    as the engine the subscriber follows.
-2. load soak on the same controller: an open-loop client process (bench/soak_load.py) at the
+2. load soak on the same controller: an open-loop client process (bench/kit/soak_load.py) at the
    highest sustainable rate (``--rate``; 0: the closed-loop ceiling is measured first, then
    ``--probe-s`` probes at 50, 40, 30, 20 and 10% of it, highest first, and the first whose p99
    holds 5 ms is the rate: the highest rate that holds the latency target on this machine, whose
@@ -48,7 +48,7 @@ thread's run-queue wait (the OS running other processes: on this bench's 2 share
 its own storm and load processes) and the rest (the thread asleep: a lock, a blocking call, or
 its virtual CPU taken by the hypervisor: ``machine_steal_ms`` is the steal on all CPUs meanwhile);
 ``--sample-loop`` adds the system calls it was in. ``heap_mb`` shows where RSS sits (glibc in
-use / free, pymalloc arenas against the blocks in use in them; see bench/inflight_bytes.py for
+use / free, pymalloc arenas against the blocks in use in them; see `bench/controller.py --probe inflight_bytes` for
 why arenas outlive their blocks). Targets: >= 100,000 frames, 0 crashes, 0 unanswered, max stall
 <= 50 ms, RSS growth <= 50 MB, dead engine out <= 1 s, back <= 2 s, first route <= 1 s after
 restart, soak p99 <= 5 ms, routes/s growing with replicas.
@@ -56,7 +56,7 @@ restart, soak p99 <= 5 ms, routes/s growing with replicas.
 Diagnosis (each slows the run a little; quote figures from runs without them):
 ``--slow-callbacks`` names the event-loop callbacks (by task) that ran over 15 ms and times the
 load tracker's and the index's upkeep calls; ``--diag-end`` prints RSS after a full GC and a
-``malloc_trim`` and a census of the live objects by pymalloc arena (``bench/arena_census.py``:
+``malloc_trim`` and a census of the live objects by pymalloc arena (``bench/kit/arena_census.py``:
 which objects keep sparse arenas resident); ``--sample-loop`` and ``--tracemalloc`` as above.
 """
 
@@ -73,23 +73,18 @@ import sys
 import time
 import tracemalloc
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import replicas as replicas_bench  # noqa: E402  (bench/ is the script's directory)
-import soak_load
 import zmq
 import zmq.asyncio
+from kit import hostile, soak_load
 from replicas import free_ports
 
 from smetric_lmc.client import AsyncRouteClient
-from smetric_lmc.config import ServerConfig, parse_config
+from smetric_lmc.config import AdvancedConfig, parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.controller.memory import ALLOCATORS, exec_with_allocator, running_allocator
-
-# The malformed-message generators are test code shared with tests/reliability, not package code.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import hostile  # noqa: E402
 
 END = ((1 << 64) - 1).to_bytes(8, "big")
 SHARES = {"route": 0.4, "kv": 0.3, "lmcache_push": 0.2, "lmcache_request": 0.1}
@@ -516,11 +511,10 @@ def faults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def curve_refuses_unknown_client() -> bool:
+    from kit.route_core import make_core
+
     from smetric_lmc.client import RouteClient, RouteRefused
     from smetric_lmc.controller.service import RouteCore, RouteService
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_controller_service import make_core  # type: ignore[import-not-found]
 
     public, secret = (k.decode() for k in zmq.curve_keypair())
     known_pub, known_sec = (k.decode() for k in zmq.curve_keypair())
@@ -560,7 +554,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pub_port, replay_port = free_ports(2)
     cfg = hostile.target_config("soak", 16, pub_port, replay_port)
     if args.worker_timeout_s is not None:  # diagnosis: let the storm's LMCache workers expire within a short run
-        cfg["limits"] = {"lmcache_worker_timeout_s": args.worker_timeout_s}
+        cfg["advanced"] = {"limits": {"lmcache_worker_timeout_s": args.worker_timeout_s}}
     crashes = CrashCounter()
     logging.getLogger().addHandler(crashes)
     logging.getLogger("smetric_lmc").setLevel(logging.ERROR)  # a storm logs a warning per bad gap
@@ -653,7 +647,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             malloc_trim()
             diag["after_trim"] = (round(rss_mb(), 1), heap_mb())
             print(f"diag_end: {diag}", file=sys.stderr)
-            from arena_census import census
+            from kit.arena_census import census
 
             print(f"arena_census: {json.dumps(census(), default=str)}", file=sys.stderr)
         if slow is not None:
@@ -763,8 +757,8 @@ def main() -> None:
                    help="limits.lmcache_worker_timeout_s (default: the config's); a short one lets a smoke run see them expire")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--replica-s", type=float, default=10.0, help="seconds per replica count")
-    p.add_argument("--allocator", choices=ALLOCATORS, default=ServerConfig().allocator,
-                   help="run under this allocator, as `smetric controller` does with server.allocator "
+    p.add_argument("--allocator", choices=ALLOCATORS, default=AdvancedConfig().allocator,
+                   help="run under this allocator, as `smetric controller` does with advanced.allocator "
                         "(default: the config default)")
     args = p.parse_args()
     exec_with_allocator(args.allocator)  # returns once running under it

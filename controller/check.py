@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import msgspec
 
 from smetric_lmc.config import Config
-from smetric_lmc.hashing import fast_root
+from smetric_lmc.hashing import fast_root, lmcache_root_of
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -25,7 +25,7 @@ def _kv(struct: msgspec.Struct) -> str:
 def _lmcache_root(cfg: Config) -> str:
     h = cfg.hashing
     try:
-        value = h.lmcache_root_value()
+        value = lmcache_root_of(h)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"hashing.lmcache_root={h.lmcache_root!r}: {exc}") from exc
     how = "" if isinstance(h.lmcache_root, int) else f" (from {h.lmcache_root!r}, seed {h.lmcache_root_seed!r})"

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from smetric_lmc.backoff import Backoff
 from smetric_lmc.controller.global_common import GlobalTierView, TransitionBatch
 from smetric_lmc.controller.lmcache_keys import BARE_SUFFIXES, GlobalTierSink
 from smetric_lmc.controller.tasks import cancel_and_wait
@@ -170,7 +171,7 @@ class MooncakeGlobalTier(GlobalTierView):
 
     async def _events_loop(self) -> None:
         ctx = zmq.asyncio.Context.instance()
-        backoff = 0.1
+        backoff = Backoff(0.1, max(0.1, self._backoff_max_s))
         while not self._closing:
             sock = ctx.socket(zmq.SUB)
             try:
@@ -182,12 +183,11 @@ class MooncakeGlobalTier(GlobalTierView):
                 while not self._closing:
                     frames = await sock.recv_multipart(copy=True)
                     self.handle_message(frames)
-                    backoff = 0.1
+                    backoff.reset()
             except zmq.ZMQError as e:
                 self._counters["zmq_errors"] += 1
                 log.warning("mooncake events %s: %s", self.events_endpoint, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._backoff_max_s)
+                await asyncio.sleep(backoff.next())
             finally:
                 sock.close(linger=0)
 
@@ -265,12 +265,15 @@ class MooncakeGlobalTier(GlobalTierView):
     # ---- reconciliation ------------------------------------------------------------------------------
 
     async def _reconcile_loop(self) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, max(0.2, self._backoff_max_s))
         while not self._closing:
             self._wake.clear()
             ok = await self.reconcile()
-            delay = self.reconcile_interval_s if ok else min(backoff, self.reconcile_interval_s)
-            backoff = 0.2 if ok else min(backoff * 2, self._backoff_max_s)
+            if ok:
+                backoff.reset()
+                delay = self.reconcile_interval_s
+            else:
+                delay = min(backoff.next(), self.reconcile_interval_s)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)
 

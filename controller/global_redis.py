@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
+from smetric_lmc.backoff import Backoff
 from smetric_lmc.controller.global_common import GlobalTierView, Transition, TransitionBatch
 from smetric_lmc.controller.lmcache_keys import REDIS_SUFFIXES, ChunkPresence, GlobalTierSink
 from smetric_lmc.controller.tasks import cancel_and_wait
@@ -154,7 +155,7 @@ class RedisGlobalTier(GlobalTierView):
 
     async def run(self) -> None:
         self._task = asyncio.current_task()
-        backoff = self._backoff_initial_s
+        backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)
         try:
             while not self._closing:
                 self._session_connected = False
@@ -163,7 +164,7 @@ class RedisGlobalTier(GlobalTierView):
                 except (RedisError, OSError, asyncio.TimeoutError) as e:
                     self._counters["connection_errors"] += 1
                     # One warning per outage; the retries while it lasts go to debug.
-                    first = self._session_connected or backoff == self._backoff_initial_s
+                    first = self._session_connected or backoff.at_first
                     level = logging.WARNING if first else logging.DEBUG
                     log.log(level, "redis global tier %s: %s: %s", self.url, type(e).__name__, e)
                 except Exception:
@@ -177,9 +178,8 @@ class RedisGlobalTier(GlobalTierView):
                 self._set_unavailable(f"redis global tier {self.url} unavailable")
                 if self._session_connected:
                     # The connection had worked: restart the backoff from its shortest step.
-                    backoff = self._backoff_initial_s
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._backoff_max_s)
+                    backoff.reset()
+                await asyncio.sleep(backoff.next())
         except asyncio.CancelledError:
             if not self._closing:
                 raise

@@ -22,124 +22,48 @@ import contextlib
 import logging
 import socket as _socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from smetric_lmc.controller import lmcache_proto as P
-from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
+from smetric_lmc.controller import offload
+from smetric_lmc.controller.lmcache_kvops import KVOps
+from smetric_lmc.controller.lmcache_registry import (
+    LMCacheSink,
+    Worker,
+    WorkerInfo,
+    WorkerRegistry,
+    identity_resolver,
+)
+from smetric_lmc.controller.lmcache_sync import MISSING_WINDOW, FullSync
 from smetric_lmc.controller.lmcache_upstream import Upstream
+from smetric_lmc.controller.tasks import LoopBudget
 
 if TYPE_CHECKING:
     from smetric_lmc.controller.offload import OffloadWorker
 
-__all__ = ["LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
+__all__ = ["MISSING_WINDOW", "LMCacheSink", "LMCacheWorkerServer", "WorkerInfo", "identity_resolver"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
-class LMCacheSink(Protocol):
-    """Index-side receiver of LMCache local-tier reports, keyed by our instance id."""
-
-    def lmcache_admit(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
-
-    def lmcache_evict(self, instance_id: str, chunk_hashes: Iterable[int]) -> None: ...
-
-    def lmcache_cleared(self, instance_id: str) -> None: ...
-
-    def lmcache_worker_seen(self, instance_id: str) -> None: ...
-
-
-def identity_resolver(lmcache_instance_id: str, worker_id: int) -> str | None:
-    """Default mapping: LMCache's ``lmcache_instance_id`` is our instance id, for every rank."""
-    return lmcache_instance_id
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Snapshot of one LMCache worker as this server knows it."""
-
-    lmcache_instance_id: str
-    worker_id: int
-    instance_id: str | None
-    ip: str
-    port: int
-    peer_init_url: str | None
-    registered: bool
-    registered_at: float
-    last_seen: float
-    last_heartbeat: float | None
-    sync_state: str | None
-
-
-_SYNCING, _COMPLETED, _FAILED = "syncing", "completed", "failed"
-#: Messages handled per socket before yielding to the other tasks on the loop.
-#: Operations of one KV-op batch applied between two yields to the loop (~6 ms here).
-OPS_SLICE = 4096
-YIELD_EVERY = 64
-#: ... or after this many bytes or seconds of messages since the last yield.
-YIELD_BYTES = 1 << 20
-YIELD_S = 0.002
-#: PULL frames larger than this are decoded in the frame worker (``worker``), not on the loop.
-OFFLOAD_BYTES = 256 << 10
-#: Missing full-sync batches reported per status reply (the worker resends them and asks again).
-MISSING_WINDOW = 4096
+#: Work each socket loop does between two yields to the other tasks on the loop.
+LOOP_BUDGET = LoopBudget()
 _FULL = "controller knows too many LMCache workers (limits.lmcache_max_workers)"
 
 
-class _Rest(NamedTuple):
-    """A PULL message's bulk list, applied ``OPS_SLICE`` entries at a time from ``start``."""
-
-    lmc_id: str
-    worker_id: int
-    location: str
-    bulk: P.Bulk
-    start: int
-    sync: bool  # full-sync keys (all admits), else KV operations
-
-
-def _plain(values: Any) -> list[Any]:
-    """A column slice as a list of Python scalars (numpy's would end up in the index's tables)."""
-    return values.tolist() if hasattr(values, "tolist") else list(values)
-
-
-@dataclass
-class _Sync:
-    sync_id: str
-    location: str
-    expected_batches: int
-    state: str = _SYNCING
-    batches: set[int] = field(default_factory=set)
-    first_missing: int = 0  # every batch below it arrived
-    keys_received: int = 0
-    last_activity: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Worker:
-    lmc_id: str
-    worker_id: int
-    ip: str = ""
-    port: int = 0
-    peer_init_url: str | None = None
-    instance_id: str | None = None
-    # False while the worker is known only from PUSHed reports (e.g. after our restart, before
-    # its next heartbeat re-registers it).
-    registered: bool = False
-    registered_at: float = 0.0
-    last_seen: float = 0.0
-    last_heartbeat: float | None = None
-    sync: _Sync | None = None
-    seq: dict[str, int] = field(default_factory=dict)
-
-
 class LMCacheWorkerServer:
-    """LMCache-protocol endpoint for workers; feeds an index sink. See module docstring."""
+    """LMCache-protocol endpoint for workers; feeds an index sink. See module docstring.
+
+    The sockets and the message dispatch live here; the parts it dispatches to are the worker
+    registry (``lmcache_registry``), the KV reports and P2P lookup (``lmcache_kvops``) and the
+    full-sync handshake (``lmcache_sync``), the way LMCache's own controller splits them.
+    """
 
     def __init__(
         self,
@@ -166,20 +90,9 @@ class LMCacheWorkerServer:
     ) -> None:
         self._sink = sink
         self._urls = {"pull": pull_url, "reply": reply_url, "heartbeat": heartbeat_url}
-        self._resolve = resolve_instance
         self._heartbeat_advertise = heartbeat_advertise
-        # Like LMCache's controller: right after start nothing is known about workers' caches,
-        # so registered workers are asked for a full sync until enough of them completed one.
-        self._need_full_sync_all = full_sync_on_start
-        self._threshold = full_sync_completion_threshold
-        self._sync_timeout = full_sync_timeout_s
         self._max_frame = max_frame_bytes
-        self._max_workers = max_workers
-        self._max_sources = max_sources_per_instance
-        self._worker_timeout = worker_timeout_s
-        self._max_sync_batches = max_sync_batches
         self._frame_worker = worker
-        self._last_sweep = 0.0
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._upstream = (
@@ -190,9 +103,6 @@ class LMCacheWorkerServer:
         self._socks: dict[str, zmq.asyncio.Socket] = {}
         self._endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._workers: dict[tuple[str, int], _Worker] = {}
-        self._counts: dict[str | None, int] = {}  # workers per instance id (None: unmapped)
-        self._holdings: dict[str, Holdings] = {}
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "pull_frames", "router_frames", "heartbeat_frames", "decode_errors",
@@ -206,8 +116,15 @@ class LMCacheWorkerServer:
             ),
             0,
         )
+        self.registry = WorkerRegistry(sink, resolve_instance, self._stats, max_workers=max_workers,
+                                       max_sources=max_sources_per_instance, worker_timeout_s=worker_timeout_s)
+        self.sync = FullSync(self.registry, self._stats, on_start=full_sync_on_start,
+                             completion_threshold=full_sync_completion_threshold,
+                             timeout_s=full_sync_timeout_s, max_batches=max_sync_batches)
+        self.kv = KVOps(sink, self.registry, self._stats, self.sync.syncing)
+        self.sync.kv = self.kv
+        self.registry.on_forget = self._forgotten
         self._closed = False
-        self._rest: _Rest | None = None  # a batch applied a slice at a time
 
     # ---- lifecycle ----
 
@@ -273,35 +190,32 @@ class LMCacheWorkerServer:
         """Known workers, in first-seen order."""
         return [
             WorkerInfo(
-                lmcache_instance_id=w.lmc_id,
-                worker_id=w.worker_id,
-                instance_id=w.instance_id,
-                ip=w.ip,
-                port=w.port,
-                peer_init_url=w.peer_init_url,
-                registered=w.registered,
-                registered_at=w.registered_at,
-                last_seen=w.last_seen,
-                last_heartbeat=w.last_heartbeat,
-                sync_state=self._sync_state(w),
+                lmcache_instance_id=w.lmc_id, worker_id=w.worker_id, instance_id=w.instance_id,
+                ip=w.ip, port=w.port, peer_init_url=w.peer_init_url, registered=w.registered,
+                registered_at=w.registered_at, last_seen=w.last_seen, last_heartbeat=w.last_heartbeat,
+                sync_state=self.sync.state(w),
             )
-            for w in self._workers.values()
+            for w in self.registry.workers.values()
         ]
+
+    def sweep(self) -> int:
+        """Forget workers silent for ``worker_timeout_s``; returns how many."""
+        return self.registry.sweep()
 
     # ---- socket loops ----
 
     async def _receive(self, name: str, label: str) -> AsyncIterator[list[bytes]]:
         """Messages from socket ``name`` until the server closes; receive errors are logged and skipped."""
         sock = self._socks[name]
-        n, nbytes, since = 0, 0, time.perf_counter()
+        # A queued message is returned without a trip through the event loop: a backlog would
+        # otherwise hold the loop (and every other socket) until it is drained.
+        meter = LOOP_BUDGET.meter()
+        nbytes = 0
         while True:
-            n += 1
-            if n % YIELD_EVERY == 0 or nbytes >= YIELD_BYTES or time.perf_counter() - since >= YIELD_S:
-                # A queued message is returned without a trip through the event loop: a backlog
-                # would otherwise hold the loop (and every other socket) until it is drained. A
-                # count alone let 64 MB-sized messages through in one go.
+            if meter.spend(nbytes):  # no coroutine per message: this runs for every one
                 await asyncio.sleep(0)
-                n, nbytes, since = 0, 0, time.perf_counter()
+                meter.reset()
+            nbytes = 0
             try:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError as exc:
@@ -309,7 +223,7 @@ class LMCacheWorkerServer:
                     return
                 log.warning("%s receive failed: %s", label, exc)
                 continue
-            nbytes += sum(map(len, frames))
+            nbytes = sum(map(len, frames))
             yield frames
 
     async def _pull_loop(self) -> None:
@@ -320,14 +234,14 @@ class LMCacheWorkerServer:
                 try:
                     decoded = await self._decode_push(frame)
                     key = None if decoded is None else self._on_push_msg(*decoded)
-                    while self._rest is not None:
+                    while self.kv.pending:
                         await asyncio.sleep(0)
-                        self._apply_rest()
+                        self.kv.apply_next_slice()
                 except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                     raise
                 except Exception:
                     key = None
-                    self._rest = None
+                    self.kv.drop_pending()
                     self._stats["internal_errors"] += 1
                     log.exception("error handling a PULL frame")
                 sender = sender or key
@@ -356,6 +270,15 @@ class LMCacheWorkerServer:
                 self._stats["send_errors"] += 1
                 log.warning("%s reply failed: %s", name, exc)
 
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.registry.worker_timeout_s / 4, 30.0))
+            try:
+                self.registry.sweep()
+            except Exception:
+                self._stats["internal_errors"] += 1
+                log.exception("LMCache worker sweep failed")
+
     # ---- frame dispatch ----
 
     def _decode(self, frame: bytes) -> P.AnyMsg:
@@ -370,8 +293,8 @@ class LMCacheWorkerServer:
 
     async def _decode_push(self, frame: bytes) -> tuple[P.AnyMsg, P.Bulk | None] | None:
         """One PULL frame decoded, its bulk list split off; None when it is refused (counted).
-        Frames over ``OFFLOAD_BYTES`` are decoded in the frame worker: a 16 MiB one costs ~60 ms."""
-        if len(frame) <= OFFLOAD_BYTES or len(frame) > self._max_frame:
+        Frames over ``offload.OFFLOAD_BYTES`` are decoded in the frame worker (cost linear in size)."""
+        if len(frame) <= offload.OFFLOAD_BYTES or len(frame) > self._max_frame:
             pass
         elif self._frame_worker is not None and self._frame_worker.start():
             try:
@@ -401,7 +324,7 @@ class LMCacheWorkerServer:
 
     def _on_push_frame(self, frame: bytes) -> tuple[str, int] | None:
         """Decode and apply one PULL frame on the loop (the first slice of a bulk list: the rest
-        stays in ``_rest``)."""
+        stays pending in ``kv``)."""
         decoded = self._decode_here(frame)
         return None if decoded is None else self._on_push_msg(*decoded)
 
@@ -409,47 +332,27 @@ class LMCacheWorkerServer:
         """Apply one PULL message; return the (instance, worker) it came from, if valid."""
         if isinstance(msg, P.BatchedKVOperationMsg):
             assert bulk is not None
-            self._rest = _Rest(msg.instance_id, msg.worker_id, msg.location, bulk, 0, sync=False)
-            self._apply_rest()  # the first slice now; the PULL loop yields before each further one
+            # The first slice now; the PULL loop yields before each further one.
+            self.kv.queue(msg.instance_id, msg.worker_id, msg.location, bulk, sync=False)
         elif isinstance(msg, P.FullSyncBatchMsg):
             assert bulk is not None
-            self._on_sync_batch(msg, bulk)
+            self.sync.on_batch(msg, bulk)
         elif isinstance(msg, P.FullSyncEndMsg):
-            self._on_sync_end(msg)
+            self.sync.on_end(msg)
         elif isinstance(msg, P.DeRegisterMsg):
-            self._on_deregister(msg)
+            self._stats["deregisters"] += 1
+            self.registry.forget((msg.instance_id, msg.worker_id))
         elif isinstance(msg, (P.KVAdmitMsg, P.KVEvictMsg)):
             # No longer sent by 0.5.x workers (LMCache's controller ignores them); applying them
             # costs nothing and keeps older workers useful.
             self._stats["legacy_single_ops"] += 1
-            self._on_kv_ops(msg.instance_id, msg.worker_id, msg.location,
-                            [(isinstance(msg, P.KVAdmitMsg), msg.key, msg.seq_num)])
+            self.kv.on_ops(msg.instance_id, msg.worker_id, msg.location,
+                           [(isinstance(msg, P.KVAdmitMsg), msg.key, msg.seq_num)])
         else:
             self._stats["wrong_socket"] += 1
             log.debug("dropping %s received on PULL", type(msg).__name__)
             return None
         return msg.instance_id, msg.worker_id
-
-    def _apply_rest(self) -> bool:
-        """Apply the next ``OPS_SLICE`` operations (or full-sync keys) in ``_rest``; True while
-        more are left (a 90 k-op batch costs ~150 ms at once). Each slice of operations goes
-        through ``_on_kv_ops`` again, so a full sync that started meanwhile takes over, as it would
-        between batches; a full-sync batch stops when its worker is gone."""
-        assert self._rest is not None
-        r = self._rest
-        end = min(r.start + OPS_SLICE, len(r.bulk.keys))
-        self._rest = r._replace(start=end) if end < len(r.bulk.keys) else None
-        keys = _plain(r.bulk.keys[r.start:end])
-        if not r.sync:
-            admits, seqs = _plain(r.bulk.admits[r.start:end]), _plain(r.bulk.seqs[r.start:end])
-            self._on_kv_ops(r.lmc_id, r.worker_id, r.location, list(zip(admits, keys, seqs, strict=True)))
-        else:
-            w = self._workers.get((r.lmc_id, r.worker_id))
-            if w is None or w.instance_id is None:
-                self._rest = None
-                return False
-            self._apply(w, r.location, [(True, k) for k in keys])
-        return self._rest is not None
 
     def _on_request_frame(self, frame: bytes, heartbeat_only: bool) -> P.ReplyMsg:
         try:
@@ -471,84 +374,37 @@ class LMCacheWorkerServer:
         if isinstance(msg, P.RegisterMsg):
             return self._on_register(msg)
         if isinstance(msg, P.FullSyncStartMsg):
-            return self._on_sync_start(msg)
+            return self.sync.on_start(msg)
         if isinstance(msg, P.FullSyncStatusMsg):
-            return self._on_sync_status(msg)
-        return self._on_p2p_lookup(msg)
+            return self.sync.on_status(msg)
+        return self.kv.p2p_lookup(msg)
 
-    # ---- worker registry ----
+    # ---- registration and heartbeats ----
 
-    def _worker(self, lmc_id: str, worker_id: int, *, create: bool = True) -> _Worker | None:
-        """The known worker (created if ``create``); None when unknown or its share is full.
-
-        Workers of a configured instance are capped per instance, unmapped ones (ids nothing
-        resolves) all together, so ghosts cannot lock out the real workers.
-        """
-        key = (lmc_id, worker_id)
-        w = self._workers.get(key)
-        if w is None and create:
-            iid = self._resolve_id(lmc_id, worker_id)
-            cap = self._max_workers if iid is None else self._max_sources
-            if self._counts.get(iid, 0) >= cap and time.monotonic() - self._last_sweep >= 1.0:
-                self.sweep()  # full: forget the silent ones (at most once a second, O(workers))
-            if self._counts.get(iid, 0) >= cap:
-                self._stats["workers_refused"] += 1
-                log.debug("LMCache worker %s/%s refused: %d known for instance %s", lmc_id, worker_id,
-                          self._counts.get(iid, 0), iid)
-                return None
-            w = self._workers[key] = _Worker(lmc_id=lmc_id, worker_id=worker_id, instance_id=iid)
-            self._counts[iid] = self._counts.get(iid, 0) + 1
-        if w is not None:
-            w.last_seen = time.time()
-            if w.instance_id is not None:
-                self._sink.lmcache_worker_seen(w.instance_id)
-        return w
-
-    def _resolve_id(self, lmc_id: str, worker_id: int) -> str | None:
-        try:
-            return self._resolve(lmc_id, worker_id)
-        except Exception:
-            self._stats["internal_errors"] += 1
-            log.exception("resolve_instance(%r, %r) failed", lmc_id, worker_id)
-            return None
-
-    def _forget(self, key: tuple[str, int]) -> _Worker | None:
-        w = self._workers.pop(key, None)
-        if w is not None:
-            self._counts[w.instance_id] -= 1
-            self._clear_sources(w, None)
-            if self._upstream is not None:
-                self._upstream.drop_worker(key)
-        return w
-
-    def _set_addr(self, w: _Worker, msg: P.RegisterMsg | P.HeartbeatMsg) -> None:
-        w.ip, w.port, w.peer_init_url = msg.ip, msg.port, msg.peer_init_url
-        w.registered = True
-        w.registered_at = time.time()
+    def _forgotten(self, w: Worker) -> None:
+        self.kv.clear_sources(w, None)
+        if self._upstream is not None:
+            self._upstream.drop_worker(w.key)
 
     def _on_register(self, msg: P.RegisterMsg) -> P.RegisterRetMsg | P.ErrorMsg:
         self._stats["registers"] += 1
-        w = self._worker(msg.instance_id, msg.worker_id)
+        w = self.registry.get(msg.instance_id, msg.worker_id)
         if w is None:
             return P.ErrorMsg(error=_FULL)
         # A RegisterMsg comes from a (re)started worker: whatever it reported before is gone.
-        self._set_addr(w, msg)
+        w.set_addr(msg.ip, msg.port, msg.peer_init_url)
         w.sync = None
         w.seq.clear()
-        self._clear_sources(w, None)
+        self.kv.clear_sources(w, None)
         extra: dict[str, str] = {}
         hb = self._advertised_heartbeat(msg.ip)
         if hb is not None:
             extra["heartbeat_url"] = hb
         return P.RegisterRetMsg(extra_config=extra)
 
-    def _on_deregister(self, msg: P.DeRegisterMsg) -> None:
-        self._stats["deregisters"] += 1
-        self._forget((msg.instance_id, msg.worker_id))
-
     def _on_heartbeat(self, msg: P.HeartbeatMsg) -> P.HeartbeatRetMsg | P.ErrorMsg:
         self._stats["heartbeats"] += 1
-        w = self._worker(msg.instance_id, msg.worker_id)
+        w = self.registry.get(msg.instance_id, msg.worker_id)
         if w is None:
             return P.ErrorMsg(error=_FULL)
         w.last_heartbeat = time.time()
@@ -557,233 +413,17 @@ class LMCacheWorkerServer:
             # Unknown to us (e.g. we restarted): register it and ask for everything it holds.
             # What it PUSHed meanwhile stays applied until its full sync replaces it.
             self._stats["unknown_heartbeats"] += 1
-            self._set_addr(w, msg)
+            w.set_addr(msg.ip, msg.port, msg.peer_init_url)
             commands.append(P.FullSyncCommand(reason="worker_re_registered"))
         else:
-            state = self._sync_state(w)
-            if self._need_full_sync_all and state not in (_SYNCING, _COMPLETED):
-                commands.append(P.FullSyncCommand(reason="controller_restart"))
-            elif state == _FAILED:
-                commands.append(P.FullSyncCommand(reason="sync_failed_retry"))
+            cmd = self.sync.command_for(w)
+            if cmd is not None:
+                commands.append(cmd)
         if self._upstream is not None:
             wanted = self._upstream.take_commands((msg.instance_id, msg.worker_id))
             if not any(isinstance(c, P.FullSyncCommand) for c in commands):
                 commands.extend(wanted)
         return P.HeartbeatRetMsg(commands=commands)
-
-    def _expired(self, w: _Worker, cutoff: float) -> bool:
-        # Workers mapped to an instance stay while heartbeats are off (LMCache's default):
-        # silence then says nothing, and their sources are bounded per instance anyway.
-        if w.last_seen >= cutoff:
-            return False
-        return w.instance_id is None or w.last_heartbeat is not None
-
-    def sweep(self) -> int:
-        """Forget workers silent for ``worker_timeout_s`` (see ``_expired``); returns how many."""
-        self._last_sweep = time.monotonic()
-        cutoff = time.time() - self._worker_timeout
-        gone = [w for w in self._workers.values() if self._expired(w, cutoff)]
-        for w in gone:
-            self._forget((w.lmc_id, w.worker_id))
-            log.info("LMCache worker %s/%d silent for %.0fs: forgotten", w.lmc_id, w.worker_id,
-                     self._worker_timeout)
-        self._stats["workers_expired"] += len(gone)
-        return len(gone)
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(self._worker_timeout / 4, 30.0))
-            try:
-                self.sweep()
-            except Exception:
-                self._stats["internal_errors"] += 1
-                log.exception("LMCache worker sweep failed")
-
-    # ---- KV reports ----
-
-    def _on_kv_ops(self, lmc_id: str, worker_id: int, location: str,
-                   ops: list[tuple[bool, int, int]]) -> None:
-        self._stats["kv_ops"] += len(ops)
-        if not ops:
-            return
-        w = self._worker(lmc_id, worker_id)
-        if w is None:
-            return
-        if self._sync_state(w) == _SYNCING:
-            # The running full sync is the truth for this worker; LMCache discards these too.
-            self._stats["kv_ops_during_sync"] += len(ops)
-            return
-        last = w.seq.get(location)
-        for _, _, seq in ops:
-            if last is not None and seq != last + 1:
-                self._stats["seq_gaps"] += 1
-            last = seq
-        w.seq[location] = last  # type: ignore[assignment]
-        if w.instance_id is None:
-            self._stats["kv_ops_unresolved"] += len(ops)
-            return
-        self._apply(w, location, [(a, k) for a, k, _ in ops])
-
-    def _holdings_of(self, instance_id: str) -> Holdings:
-        h = self._holdings.get(instance_id)
-        if h is None:
-            h = self._holdings[instance_id] = Holdings(self._max_sources)
-        return h
-
-    def _apply(self, w: _Worker, location: str, ops: list[tuple[bool, int]]) -> None:
-        assert w.instance_id is not None
-        h = self._holdings_of(w.instance_id)
-        try:
-            admitted, evicted = h.apply((w.lmc_id, w.worker_id, location), ops)
-        except SlotsExhausted as exc:
-            self._stats["sources_refused"] += 1
-            log.debug("LMCache ops of %s/%s at %s refused: %s", w.lmc_id, w.worker_id, location, exc)
-            return
-        if evicted:
-            self._sink.lmcache_evict(w.instance_id, evicted)
-        if admitted:
-            self._sink.lmcache_admit(w.instance_id, admitted)
-
-    def _clear_sources(self, w: _Worker, location: str | None) -> None:
-        """Forget what ``w`` reported (one location or all) and tell the sink what left."""
-        if w.instance_id is None:
-            return
-        h = self._holdings_of(w.instance_id)
-        gone = h.drop(lambda s: s[0] == w.lmc_id and s[1] == w.worker_id
-                      and (location is None or s[2] == location))
-        if not h.chunks:
-            self._sink.lmcache_cleared(w.instance_id)
-        elif gone:
-            self._sink.lmcache_evict(w.instance_id, gone)
-
-    # ---- full sync ----
-
-    def _sync_state(self, w: _Worker) -> str | None:
-        s = w.sync
-        if s is None:
-            return None
-        if s.state == _SYNCING and time.monotonic() - s.last_activity > self._sync_timeout:
-            s.state = _FAILED
-            log.warning("full sync %s of %s/%d timed out", s.sync_id, w.lmc_id, w.worker_id)
-        return s.state
-
-    def _on_sync_start(self, msg: P.FullSyncStartMsg) -> P.FullSyncStartRetMsg:
-        w = self._worker(msg.instance_id, msg.worker_id, create=False)
-        ok = w is not None and w.registered
-        if ok and w is not None and self._sync_state(w) == _SYNCING and w.sync is not None:
-            ok = w.sync.sync_id == msg.sync_id
-        if not ok or w is None:
-            self._stats["full_sync_rejected"] += 1
-            return P.FullSyncStartRetMsg(
-                sync_id=msg.sync_id,
-                accepted=False,
-                error_msg="Failed to start sync: worker already syncing with "
-                "different sync_id or worker not found",
-            )
-        if not 0 <= msg.batch_count <= self._max_sync_batches:
-            self._stats["full_sync_rejected"] += 1
-            return P.FullSyncStartRetMsg(
-                sync_id=msg.sync_id,
-                accepted=False,
-                error_msg=f"batch_count {msg.batch_count} outside [0, {self._max_sync_batches}] "
-                "(limits.lmcache_max_sync_batches)",
-            )
-        self._stats["full_sync_started"] += 1
-        w.sync = _Sync(sync_id=msg.sync_id, location=msg.location, expected_batches=msg.batch_count)
-        w.seq.pop(msg.location, None)
-        self._clear_sources(w, msg.location)
-        return P.FullSyncStartRetMsg(sync_id=msg.sync_id, accepted=True)
-
-    def _current_sync(self, lmc_id: str, worker_id: int, sync_id: str) -> tuple[_Worker, _Sync] | None:
-        w = self._worker(lmc_id, worker_id, create=False)
-        if w is None or w.sync is None or w.sync.sync_id != sync_id or self._sync_state(w) != _SYNCING:
-            self._stats["full_sync_stray"] += 1
-            return None
-        return w, w.sync
-
-    def _on_sync_batch(self, msg: P.FullSyncBatchMsg, bulk: P.Bulk) -> None:
-        found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
-        if found is None:
-            return
-        w, s = found
-        if not 0 <= msg.batch_id < s.expected_batches:
-            self._stats["full_sync_stray"] += 1
-            return
-        s.batches.add(msg.batch_id)
-        while s.first_missing in s.batches:  # monotonic: O(1) per batch overall
-            s.first_missing += 1
-        n = len(bulk.keys)
-        s.keys_received += n
-        s.last_activity = time.monotonic()
-        self._stats["kv_ops"] += n
-        if w.instance_id is None:
-            self._stats["kv_ops_unresolved"] += n
-            return
-        self._rest = _Rest(w.lmc_id, w.worker_id, msg.location, bulk, 0, sync=True)
-        self._apply_rest()  # as a batch of operations: the PULL loop yields before each further slice
-
-    def _on_sync_end(self, msg: P.FullSyncEndMsg) -> None:
-        found = self._current_sync(msg.instance_id, msg.worker_id, msg.sync_id)
-        if found is None:
-            return
-        _, s = found
-        if s.keys_received != msg.actual_total_keys:
-            log.warning("full sync %s: received %d keys, worker reports %d",
-                        s.sync_id, s.keys_received, msg.actual_total_keys)
-        s.state = _COMPLETED
-        s.last_activity = time.monotonic()
-        self._stats["full_sync_completed"] += 1
-
-    def _on_sync_status(self, msg: P.FullSyncStatusMsg) -> P.FullSyncStatusRetMsg:
-        w = self._worker(msg.instance_id, msg.worker_id, create=False)
-        s = w.sync if w is not None else None
-        state = self._sync_state(w) if w is not None else None
-        same = s is not None and s.sync_id == msg.sync_id
-        missing: list[int] = []
-        if same and s is not None and state == _SYNCING:
-            # A bounded window from the first gap: the worker resends these and asks again.
-            top = min(s.expected_batches, s.first_missing + MISSING_WINDOW)
-            missing = [b for b in range(s.first_missing, top) if b not in s.batches]
-        registered = [x for x in self._workers.values() if x.registered]
-        ready = sum(1 for x in registered if self._sync_state(x) in (None, _COMPLETED))
-        progress = ready / len(registered) if registered else 0.0
-        can_exit = progress >= self._threshold
-        if can_exit:
-            self._need_full_sync_all = False
-        return P.FullSyncStatusRetMsg(
-            sync_id=msg.sync_id,
-            is_complete=same and state == _COMPLETED,
-            global_progress=float(progress),
-            can_exit_freeze=can_exit,
-            missing_batches=missing,
-        )
-
-    # ---- P2P lookup ----
-
-    def _on_p2p_lookup(self, msg: P.BatchedP2PLookupMsg) -> P.BatchedP2PLookupRetMsg:
-        self._stats["p2p_lookups"] += 1
-        self._worker(msg.instance_id, msg.worker_id, create=False)
-        none = P.BatchedP2PLookupRetMsg(layout_info=[("", "", 0, "")])
-        if not msg.hashes:
-            return none
-        # LMCache answers with the first registered holder of the first chunk; the longest prefix
-        # among peers is never worse for the requester, and equals it when one peer holds it.
-        best: tuple[int, str, str, str] | None = None
-        # One pass over the sources (bounded per instance), not workers x sources.
-        for h in self._holdings.values():
-            for slot in h.bits:
-                w = self._workers.get((slot[0], slot[1]))
-                if w is None or w.lmc_id == msg.instance_id or w.peer_init_url is None:
-                    continue
-                n = h.prefix_len(slot, msg.hashes)
-                if n and (best is None or n > best[0]):
-                    best = (n, w.lmc_id, slot[2], w.peer_init_url)
-        if best is None:
-            return none
-        n, lmc_id, location, url = best
-        return P.BatchedP2PLookupRetMsg(layout_info=[(lmc_id, location, n, url)])
-
-    # ---- heartbeat URL advertised to workers ----
 
     def _advertised_heartbeat(self, worker_ip: str) -> str | None:
         if self._heartbeat_advertise is not None:

@@ -78,7 +78,7 @@ def run_controller(args: argparse.Namespace) -> int:
         cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, route_url=args.route_url))
     from .memory import exec_with_allocator, running_allocator
 
-    exec_with_allocator(cfg.server.allocator)  # returns only when already running under it
+    exec_with_allocator(cfg.advanced.allocator)  # returns only when already running under it
     log.info("controller: allocator %s", running_allocator())
     from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
 

@@ -3,8 +3,8 @@
 A hostile or merely bursty peer makes the controller allocate and free many MB-sized buffers
 (frames, decoded lists). glibc's malloc raises its mmap threshold dynamically after the first
 large free, after which such buffers come from the heap, and heap pages freed below live
-objects are only returned by ``malloc_trim``: the soak saw 690 MB of 716 MB RSS growth that
-``malloc_trim`` gave back at once. Two measures, both no-ops where glibc is absent:
+objects are only returned by ``malloc_trim`` (``bench/soak.py`` shows how much it gives back).
+Two measures, both no-ops where glibc is absent:
 
 - :func:`tune_malloc` pins the mmap threshold (pinning also turns the dynamic raise off), so
   buffers over it are mapped and unmapped on their own;
@@ -13,18 +13,15 @@ objects are only returned by ``malloc_trim``: the soak saw 690 MB of 716 MB RSS 
 
 Why the gate: ``malloc_trim`` holds each arena's lock while it walks every free chunk and
 ``madvise``s its pages, and the event loop's thread allocates from the main arena, so it sleeps
-on that lock for the whole walk (no CPU spent, the loop stalled: bench/soak.py saw 200+ ms stalls
-with 2-3 ms of loop CPU, each overlapping a trim). An ungated trim every 5 s repeats that walk even
+on that lock for the whole walk (no CPU spent, the loop stalled: ``bench/soak.py``'s stall probe
+caught it). An ungated trim every 5 s repeats that walk even
 when nothing was freed since the last one (already-returned pages are walked and advised again).
-``mallinfo2`` reads the free total (a walk of the bins without syscalls, ~100x cheaper), so a trim
+``mallinfo2`` reads the free total (a walk of the bins without syscalls, far cheaper), so a trim
 runs only after a burst actually left ``min_free`` bytes more free than the last trim left (or,
 while that much is free at all, once a minute: pages reused and freed again between two checks).
 
-Measured (bench/soak.py ``worst_stalls``, ``--sample-loop``): with pymalloc, trims take 1-13 ms and
-none overlapped the soak's worst stalls (those were the bench joining its child processes on the
-loop, then run-queue waits); under ``PYTHONMALLOC=malloc`` the heap holds every small object and a
-trim took ~48 ms, during which the loop slept on the arena lock (20-25 ms stalls with 0.4 ms of
-loop CPU): the gate matters there.
+The gate matters most under ``PYTHONMALLOC=malloc``, where the heap holds every small object and a
+trim walks all of it (``bench/soak.py --sample-loop``; figures in docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-#: ``server.allocator`` values: the C allocator for every object, or CPython's small-object arenas.
+#: ``advanced.allocator`` values: the C allocator for every object, or CPython's small-object arenas.
 ALLOCATORS = ("malloc", "pymalloc")
 
 
@@ -80,15 +77,12 @@ def exec_with_allocator(allocator: str) -> None:
 
     What ``malloc`` buys: pymalloc returns a 1 MiB arena to the OS only once every object in it is
     freed, so a burst of short-lived objects with a few long-lived ones among them (a counter's
-    latest value, a new session's entry) keeps most of its arenas resident for good:
-    ``bench/inflight_bytes.py --n 160000`` measures 31 MB kept after 160 k expired requests with 32 survivors,
-    1 MB under ``PYTHONMALLOC=malloc``, where a survivor pins a 4 KiB page and :class:`Trimmer`
-    returns the rest (bench/soak.py: RSS growth 30 MB under malloc, 53 MB under pymalloc, most of
-    it arenas that per-route records churned and a few long-lived objects pinned; 16-26 MB under
-    pymalloc once a done route kept nothing until expiry and the trimmer kept no object per call). What it costs: every small object comes
-    from glibc, ~20% of the KV-event ingest rate and 25-40% of the route rate
+    latest value, a new session's entry) keeps most of its arenas resident for good; under
+    ``PYTHONMALLOC=malloc`` a survivor pins a 4 KiB page and :class:`Trimmer` returns the rest
+    (``bench/controller.py --probe inflight_bytes``, ``bench/soak.py``). What it costs: every small
+    object comes from glibc, which lowers the KV-event ingest and route rates
     (``PYTHONMALLOC=malloc|pymalloc python bench/controller.py --quick``, alternated), and a trim
-    walks a larger heap while the loop waits on its lock. Hence pymalloc by default, ``malloc``
+    walks a larger heap while the loop waits on its lock. Figures: docs/measurements.md. Hence pymalloc by default, ``malloc``
     where memory after bursts matters more than peak rate. An explicit ``PYTHONMALLOC`` other
     than these two
     (e.g. ``malloc_debug``) is left as it is.
@@ -97,12 +91,12 @@ def exec_with_allocator(allocator: str) -> None:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     current = os.environ.get("PYTHONMALLOC")
     if current not in (None, "", "malloc", "pymalloc"):
-        log.warning("PYTHONMALLOC=%s set explicitly: server.allocator %s not applied", current, allocator)
+        log.warning("PYTHONMALLOC=%s set explicitly: advanced.allocator %s not applied", current, allocator)
         return
     if running_allocator() == allocator:
         return
     if "--multiprocessing-fork" in sys.orig_argv:  # a spawned child: its command line cannot be rerun
-        log.warning("started by multiprocessing: server.allocator %s not applied (runs %s)", allocator,
+        log.warning("started by multiprocessing: advanced.allocator %s not applied (runs %s)", allocator,
                     running_allocator())
         return
     env = dict(os.environ, PYTHONMALLOC=allocator)
@@ -149,7 +143,7 @@ class Trimmer:
     The spans live in a preallocated array, not a deque of tuples: a tuple and two floats made
     every few seconds and kept for an hour land in whatever pymalloc pools a burst of requests
     just freed, and each one keeps its 1 MiB arena resident after the burst is gone
-    (``bench/arena_census.py`` found them pinning most of the arenas a soak left)."""
+    (``bench/kit/arena_census.py`` found them pinning most of the arenas a soak left)."""
 
     def __init__(self, interval_s: float = 5.0, min_free: int = TRIM_MIN_FREE, keep: int = 1024,
                  max_skip_s: float = 60.0) -> None:

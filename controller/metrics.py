@@ -150,6 +150,8 @@ class InstanceState:
     engine_metrics_ok: bool | None = None  # None: not polled
     engine_poll_failures: int = 0
     healed_done: int = 0
+    breaker_open: str | None = None  # why its breaker is open; None while closed
+    breaker_trips: int = 0
 
 
 @dataclass(slots=True)
@@ -172,7 +174,7 @@ class SubscriberState:
 
 
 @dataclass(slots=True)
-class Snapshot:
+class StateView:
     instances: list[InstanceState] = field(default_factory=list)
     subscribers: list[SubscriberState] = field(default_factory=list)
     index_ready: bool = False
@@ -183,41 +185,41 @@ class Snapshot:
 
 
 class StateCollector(Collector):
-    """Turns a ``Snapshot`` taken at scrape time into metric families."""
+    """Turns the controller's ``StateView``, taken at scrape time, into metric families."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, view: Callable[[], StateView]) -> None:
+        self._view = view
 
     def describe(self) -> Iterable[Metric]:
         return []  # families depend on state; unchecked registration is fine for a private registry
 
     def collect(self) -> Iterable[Metric]:
         try:
-            snap = self._snapshot()
+            view = self._view()
         except Exception:  # a scrape must never take the controller down
-            log.exception("metrics: snapshot failed")
+            log.exception("metrics: state view failed")
             return
-        yield from _instance_families(snap.instances)
-        yield from _subscriber_families(snap.subscribers)
+        yield from _instance_families(view.instances)
+        yield from _subscriber_families(view.subscribers)
         ready = GaugeMetricFamily("smetric_index_ready", "1 once the index holds local-tier data since start")
-        ready.add_metric([], 1.0 if snap.index_ready else 0.0)
+        ready.add_metric([], 1.0 if view.index_ready else 0.0)
         yield ready
         sizes = GaugeMetricFamily("smetric_index_entries", "Entries in the index by structure", labels=["kind"])
-        for k, v in snap.index_sizes.items():
+        for k, v in view.index_sizes.items():
             sizes.add_metric([k], float(v))
         yield sizes
         istats = CounterMetricFamily("smetric_index_updates", "Index updates by kind", labels=["kind"])
-        for k, v in snap.index_stats.items():
+        for k, v in view.index_stats.items():
             istats.add_metric([k], float(v))
         yield istats
-        if snap.global_available is not None:
+        if view.global_available is not None:
             g = GaugeMetricFamily("smetric_global_store_available", "1 while the global store is reachable")
-            g.add_metric([], 1.0 if snap.global_available else 0.0)
+            g.add_metric([], 1.0 if view.global_available else 0.0)
             yield g
         comp = GaugeMetricFamily(
             "smetric_component_stat", "Numeric stats of controller parts", labels=["component", "stat"]
         )
-        for name, stats in snap.components.items():
+        for name, stats in view.components.items():
             for k, v in stats.items():
                 if isinstance(v, bool | int | float):
                     comp.add_metric([name, k], float(v))

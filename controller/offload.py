@@ -1,8 +1,8 @@
 """One worker process for the work a single peer message can make linear in its size.
 
-Decoding and checking a multi-MB frame costs tens of ms of CPU (a 2 M-token route ~180 ms, a
-legal 65,536-block vLLM ``BlockStored`` ~50 ms); on the event loop that freezes every client and
-all event ingest. The route service and the KV-event subscribers hand such frames to this one
+Decoding and checking a frame costs CPU linear in its size (docs/measurements.md has what a
+large route or vLLM batch costs); on the event loop that freezes every client and all event
+ingest. The route service and the KV-event subscribers hand such frames to this one
 spawned process (no ZMQ context inherited) as pure functions of the frame, and get back results
 that are cheap to unpickle (numbers and numpy arrays, not millions of Python objects).
 
@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # multiprocessing is imported when the worker starts, not on 
     from concurrent.futures import ProcessPoolExecutor
 
 log = logging.getLogger(__name__)
+
+#: Peer frames larger than this are decoded in the worker, not on the loop: their decode cost is
+#: linear in their size (route frames, vLLM KV-event batches, LMCache PULL frames alike).
+OFFLOAD_BYTES = 256 << 10
 
 T = TypeVar("T")
 

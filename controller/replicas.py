@@ -12,8 +12,7 @@ each of them:
 - ``p``: prefilled reported (``on_prefilled``).
 
 Changes made in one event-loop turn go out as one message (``[replica_id, seq, ops]``, msgpack).
-A replica's view of another's load lags by the time the message takes (well under a millisecond
-on loopback): ``bench/replicas.py`` measures the divergence. A done that overtakes its route
+A replica's view of another's load lags by the time the message takes: ``bench/replicas.py`` measures the divergence. A done that overtakes its route
 (reported at replica B before A's route reached B) is remembered for a while
 (``EARLY_DONE_KEEP``) and cancels the route when it arrives. A message from a replica that
 restarted (its sequence went back) or was lost (PUB drops nothing short of its high-water mark,

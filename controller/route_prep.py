@@ -1,8 +1,8 @@
 """A route request's checked inputs, computed in the event loop or, for large frames, in a worker process.
 
-Decoding, bounds-checking and hashing a route request costs time linear in its size: a 2 M-token
-prompt (an 8 MB frame, within the limits) takes ~180 ms here, and a controller answering it on
-its event loop freezes every other client and all event ingest for that long. These functions
+Decoding, bounds-checking and hashing a route request costs time linear in its size, and a
+controller answering a large one on its event loop freezes every other client and all event
+ingest for that long (docs/measurements.md). These functions
 are pure (no controller state), so :class:`FramePrep` can run them in a separate process for any
 frame larger than ``offload_bytes``; the loop then only routes on the ready hash chains.
 

@@ -25,7 +25,9 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
-from smetric_lmc.controller.tasks import cancel_and_wait
+from smetric_lmc.controller.membership import Membership
+from smetric_lmc.controller.offload import OFFLOAD_BYTES
+from smetric_lmc.controller.tasks import LoopBudget, cancel_and_wait
 from smetric_lmc.curve import ZapAllowList, check_keypair
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
@@ -93,9 +95,9 @@ class RouteCore:
     """Answers decoded requests. Never raises: every failure becomes an ``ErrorReply``.
 
     The owner (the controller app) supplies the parts it alone knows through callables:
-    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and tells it
-    which instances are silent (``set_silent``): a routable instance is one registered in the
-    index, not silent, and (in PD disaggregation) prefill-capable.
+    ``stats_fn`` (extra stats), ``global_store_fn`` (global tier state for health), and the
+    ``membership`` that says who may be routed to (registered in the index, alive, breaker
+    closed, and in PD disaggregation prefill-capable). Without one, every registered instance is.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class RouteCore:
         global_store_fn: Callable[[], str] | None = None,
         limits: LimitsConfig | None = None,
         on_engine_error: Callable[[str, str], None] | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.limits = limits or LimitsConfig()
         self._on_engine_error = on_engine_error  # (instance_id, error kind) of a done that carries one
@@ -124,14 +127,7 @@ class RouteCore:
         self.metrics = metrics
         self.disaggregated = disaggregated
         self._instances: dict[str, InstanceConfig] = {i.id: i for i in instances}
-        # In PD disaggregation only prefill-capable instances take new requests.
-        self._roles_ok: frozenset[str] | None = (
-            frozenset(i.id for i in instances if i.role in ("prefill", "both")) if disaggregated else None
-        )
-        self._silent: frozenset[str] = frozenset()
-        # None routes over every registered instance (the fast path); a list narrows it.
-        self.candidates: list[str] | None = None
-        self._update_candidates()
+        self.membership = membership or Membership(instances, index, load, disaggregated=disaggregated)
         self._stats_fn = stats_fn
         self._global_store_fn = global_store_fn
         self._ready = False
@@ -170,17 +166,10 @@ class RouteCore:
                 log.info("index ready: routing with policy=%s", self.router.policy_cfg.name)
         return self._ready
 
-    def set_silent(self, silent: set[str] | frozenset[str]) -> None:
-        """Instances that keep their index but take no new requests (silent past the timeout)."""
-        self._silent = frozenset(silent)
-        self._update_candidates()
-
-    def _update_candidates(self) -> None:
-        if self._roles_ok is None and not self._silent:
-            self.candidates = None
-            return
-        ids = [i for i in self._instances if i not in self._silent]
-        self.candidates = [i for i in ids if self._roles_ok is None or i in self._roles_ok]
+    @property
+    def candidates(self) -> list[str] | None:
+        """What the router may pick from (None: every registered instance), as membership says."""
+        return self.membership.candidates
 
     def endpoint_of(self, instance_id: str) -> str | None:
         inst = self._instances.get(instance_id)
@@ -289,7 +278,7 @@ class RouteCore:
             prompt,
             turn=req.turn,
             est_hit=req.est_hit_tokens,
-            candidates=self.candidates,
+            candidates=self.membership.candidates,
         )
         if routed.instance_id is None:
             self.counters["no_instance"] += 1
@@ -335,11 +324,7 @@ class RouteCore:
 
     # ---- introspection ---------------------------------------------------------------------------
     def routable_ids(self) -> list[str]:
-        ids = self.index.instances
-        if self.candidates is not None:
-            allowed = set(self.candidates)
-            ids = [i for i in ids if i in allowed]
-        return ids
+        return self.membership.routable_ids()
 
     def health(self) -> HealthReply:
         n = len(self.routable_ids())
@@ -499,15 +484,10 @@ class RouteService:
             self._own_ctx.destroy(linger=0)
             self._own_ctx = None
 
-    #: Requests answered per wake-up before yielding to the other tasks on the loop ...
-    DRAIN_MAX = 64
-    #: ... or payload bytes, or seconds, whichever comes first: a count alone let 64 multi-MB
-    #: requests hold the loop for a quarter of a second.
-    DRAIN_BYTES = 1 << 20
-    DRAIN_S = 0.002
-    #: Frames larger than this are decoded, checked and hashed in the worker process (FramePrep):
-    #: their cost is linear in their size (a 2 M-token route: ~180 ms of CPU).
-    OFFLOAD_BYTES = 256 << 10
+    #: Requests answered per wake-up before yielding to the other tasks on the loop.
+    DRAIN_BUDGET = LoopBudget()
+    #: Frames larger than this are decoded, checked and hashed in the worker process (FramePrep).
+    OFFLOAD_BYTES = OFFLOAD_BYTES
     #: Large frames in the worker at once; the service stops reading while this many are pending.
     MAX_OFFLOADED = 4
 
@@ -523,6 +503,7 @@ class RouteService:
         sync = zmq.Socket.shadow(sock.underlying)
         self._task = asyncio.current_task()
         self._prep_task = asyncio.create_task(self._start_prep_later(), name="frame-worker-start")
+        meter = self.DRAIN_BUDGET.meter()
         while not self._closing:
             try:
                 frames = frames_within(await sock.recv_multipart(copy=False), self.max_frame_bytes)
@@ -535,15 +516,13 @@ class RouteService:
                     return
                 log.warning("route service: receive failed error=%s", exc)
                 continue
-            answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
+            meter.reset()
             while True:
-                nbytes += self._serve(sync, frames)
-                answered += 1
-                if answered >= self.DRAIN_MAX or nbytes >= self.DRAIN_BYTES or time.perf_counter() >= until:
+                if meter.spend(self._serve(sync, frames)):
                     await asyncio.sleep(0)  # a flood must not starve event ingest on the same loop
                     if self._closing:
                         return
-                    answered, nbytes, until = 0, 0, time.perf_counter() + self.DRAIN_S
+                    meter.reset()
                 while len(self._offloaded) >= self.MAX_OFFLOADED:
                     await asyncio.wait(self._offloaded, return_when=asyncio.FIRST_COMPLETED)
                 try:
@@ -557,7 +536,7 @@ class RouteService:
 
     async def _start_prep_later(self) -> None:
         await asyncio.sleep(self.PREP_START_S)
-        await asyncio.to_thread(_import_multiprocessing)  # ~50 ms of imports, off the loop
+        await asyncio.to_thread(_import_multiprocessing)  # the worker's imports run off the loop
         if not self._closing:
             self._prep.start()
 

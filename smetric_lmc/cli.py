@@ -11,8 +11,8 @@ from typing import Any
 # subcommand -> (module, function adding its argparse subcommand); imported lazily so that
 # `smetric sim` does not pay for the controller's sockets or the gateway's HTTP stack.
 _PARTS = {
-    "sim": ("smetric_lmc.sim.cli", "add_subcommands"),
-    "trace": ("smetric_lmc.workload.cli", "add_trace_subcommands"),
+    "sim": ("smetric_lmc.replay.sim_cli", "add_sim_subcommands"),
+    "trace": ("smetric_lmc.sim.trace_cli", "add_trace_subcommands"),
     "controller": ("smetric_lmc.controller.main", "add_subcommands"),
     "gateway": ("smetric_lmc.gateway", "add_subcommands"),
     "up": ("smetric_lmc.workers.up", "add_subcommands"),

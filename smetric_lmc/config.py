@@ -25,6 +25,8 @@ except ImportError:  # Python 3.10
 from smetric_lmc.policy import POLICY_NAMES as POLICY_NAMES  # re-exported: the CLI and simulator read it here
 from smetric_lmc.policy import make_policy, policy_names
 
+log = logging.getLogger(__name__)
+
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
@@ -127,13 +129,6 @@ class HashingConfig(_Cfg):
         if self.block_size <= 0 or self.lmcache_chunk_size <= 0:
             raise ValueError("block sizes must be positive")
 
-    def lmcache_root_value(self) -> int:
-        if isinstance(self.lmcache_root, int):
-            return self.lmcache_root
-        from smetric_lmc.hashing import lmcache_root
-
-        return lmcache_root(self.lmcache_root, seed=self.lmcache_root_seed)
-
 
 class GlobalStoreConfig(_Cfg):
     kind: Literal["none", "mooncake", "redis"] = "none"
@@ -165,12 +160,8 @@ class ServerConfig(_Cfg):
     curve_secret_key: str | None = None  # Z85; enables ZMQ CURVE on the route socket
     curve_public_key: str | None = None
     curve_client_keys: list[str] = []  # Z85 public keys allowed in; ["*"] = any key (encryption only)
-    # "malloc": the controller restarts itself under PYTHONMALLOC=malloc (trade-off: controller/memory.py)
-    allocator: str = "pymalloc"
 
     def __post_init__(self) -> None:
-        if self.allocator not in ("malloc", "pymalloc"):
-            raise ValueError(f"allocator must be 'malloc' or 'pymalloc', got {self.allocator!r}")
         if self.curve_secret_key or self.curve_public_key:
             from smetric_lmc.curve import check_client_keys, check_keypair
 
@@ -241,6 +232,18 @@ class LimitsConfig(_Cfg):
             raise ValueError("max_transport_bytes must be >= max_frame_bytes")
 
 
+class AdvancedConfig(_Cfg):
+    """Internal limits and tuning: safe defaults, overridable, not needed to run a cluster."""
+
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    # "malloc": the controller restarts itself under PYTHONMALLOC=malloc (trade-off: controller/memory.py)
+    allocator: str = "pymalloc"
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ("malloc", "pymalloc"):
+            raise ValueError(f"allocator: must be 'malloc' or 'pymalloc', got {self.allocator!r}")
+
+
 class Config(_Cfg):
     model: str = ""
     pd_mode: Literal["colocated", "disaggregated"] = "colocated"
@@ -251,9 +254,14 @@ class Config(_Cfg):
     lmcache: LMCacheConfig = msgspec.field(default_factory=LMCacheConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     load: LoadConfig = msgspec.field(default_factory=LoadConfig)
-    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     replicas: ReplicasConfig = msgspec.field(default_factory=ReplicasConfig)
     snapshot: SnapshotConfig = msgspec.field(default_factory=SnapshotConfig)
+    advanced: AdvancedConfig = msgspec.field(default_factory=AdvancedConfig)
+
+    @property
+    def limits(self) -> LimitsConfig:
+        """``advanced.limits``: what a peer may send."""
+        return self.advanced.limits
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -315,12 +323,45 @@ def read_yaml(source: Source) -> dict[str, Any]:
     return data
 
 
+#: Old spellings of controller keys, still read: (where it was, where it is now).
+MOVED_KEYS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("limits",), ("advanced", "limits")),
+    (("server", "allocator"), ("advanced", "allocator")),
+)
+
+
+def _moved_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``data`` with each old spelling of ``MOVED_KEYS`` moved to its new place, with a warning;
+    ConfigError when a file gives both."""
+    for old, new in MOVED_KEYS:
+        parent = data
+        for key in old[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None  # type: ignore[assignment]
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}  # never edit the caller's
+        parent = data
+        for key in old[:-1]:
+            parent = parent[key]
+        target = data.setdefault(new[0], {})
+        if not isinstance(target, dict):
+            continue  # the converter reports the bad `advanced` with its key path
+        target = data[new[0]] = dict(target)
+        if new[-1] in target:
+            raise ConfigError(f"{source}: {'.'.join(old)}: also given as {'.'.join(new)}; keep only the latter")
+        target[new[-1]] = parent.pop(old[-1])
+        log.warning("%s: %s is deprecated: write it as %s", source, ".".join(old), ".".join(new))
+    return data
+
+
 def parse_as(data: Any, kind: type[T], source: str = "<config>") -> T:
     """``data`` converted to the msgspec-typed ``kind``; ConfigError with the key path and reason."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: <top level>: expected a mapping, got {type(data).__name__}")
+    if kind is Config:
+        data = _moved_keys(data, source)
     try:
         return msgspec.convert(data, kind, strict=False)
     except msgspec.ValidationError as exc:

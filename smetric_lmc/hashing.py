@@ -49,7 +49,7 @@ import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
-    from smetric_lmc.config import Config
+    from smetric_lmc.config import Config, HashingConfig
     from smetric_lmc.wire import HashChain
 
 __all__ = [
@@ -150,7 +150,7 @@ def _chain_blocks(buf: Any, block_size: int, n_blocks: int, root: int) -> list[i
         dtype = _BLOCK_DTYPES[block_size] = np.dtype(f"V{4 * block_size}")
     # Viewing the buffer as fixed-size void records makes numpy cut all block
     # byte strings in one C call; what stays in Python is one hash call per
-    # block, and the comprehension beats an explicit append loop by ~15%.
+    # block, and a comprehension is cheaper than an explicit append loop.
     blocks = np.frombuffer(buf, dtype=dtype, count=n_blocks).tolist()
     h = root & _U64
     f = _xxh3_64
@@ -304,6 +304,13 @@ def python_str_hash(s: str, pythonhashseed: int) -> int:
     return -2 if h == -1 else h
 
 
+def lmcache_root_of(h: HashingConfig) -> int:
+    """The configured ``hashing.lmcache_root`` as the int the chunk chain starts from."""
+    if isinstance(h.lmcache_root, int):
+        return h.lmcache_root
+    return lmcache_root(h.lmcache_root, seed=h.lmcache_root_seed)
+
+
 def lmcache_root(kind: str, *, seed: str | None = None) -> int:
     """LMCache 0.5.6's NONE_HASH, the root of its chunk chain.
 
@@ -403,7 +410,7 @@ class HashSettings:
             fast_root=fast_root(h.fast_namespace),
             chunk_size=h.lmcache_chunk_size,
             lmcache_algo=h.lmcache_hash,
-            lmcache_root=h.lmcache_root_value(),
+            lmcache_root=lmcache_root_of(h),
             want_chunks=cfg.lmcache.enabled or cfg.global_store.kind != "none",
         )
 

@@ -34,7 +34,7 @@ class _InFlight(msgspec.Struct, gc=False):
     cohort: int = -1  # the age cohort holding it (see ``LoadTracker._cohorts``); -1: none
 
 
-SLICE = 2048  # entries one slice of upkeep handles (~2 us each): a few ms of the event loop
+SLICE = 2048  # entries one slice of upkeep handles: a few ms of the event loop
 #: Queued entries a route looks at for expiry: more than the one it adds, so routing keeps up.
 EXPIRE_PER_ROUTE = 8
 #: Releases between two checks for request maps that shrank (see :meth:`LoadTracker._compact`).
@@ -53,12 +53,11 @@ class LoadTracker:
         # Expiry by age cohorts: the requests routed in one ``expire_s / COHORTS`` span share a
         # map, oldest cohort first, and a request leaves its cohort when it is released. A done
         # request then costs nothing until expiry. (An age queue of every route kept each done
-        # request's entry and id for ``expire_s``: 20 MB at 5 k routes/s, churned through
-        # pymalloc arenas that a few long-lived objects then kept resident, bench/arena_census.py.)
+        # request's entry and id for ``expire_s``, churned through pymalloc arenas that a few long-lived objects then kept resident, bench/kit/arena_census.py.)
         # Maps of untracked objects (str keys, gc=False entries) are not tracked by the cyclic GC
         # either: one GC-tracked record per route, freed by expiry as new ones come, keeps the
-        # generation-0 count from reaching its threshold, and one collection of the 100 k+ young
-        # records it let pile up stalled the loop ~100 ms (bench/soak.py).
+        # generation-0 count from reaching its threshold, and one collection of the young records
+        # it let pile up stalled the loop (bench/soak.py).
         self._cohorts: deque[dict[str, _InFlight]] = deque()
         self._cohort_opened: deque[float] = deque()
         self._first_cohort = 0  # the number of ``_cohorts[0]``

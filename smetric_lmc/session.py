@@ -9,7 +9,7 @@ The gateway counts est_hit exactly whenever it can: with the served model's toke
 template (``HFChatTokenizer``) or an engine's ``/tokenize``. When neither answers, the one estimate
 is :class:`ChatTokenEstimator`, which calibrates itself on every exact count the gateway did get
 (``observe``), so it follows the served tokenizer rather than a guess. ``python
-bench/est_hit_error.py`` measures its error against a real tokenizer and chat template on held-out
+bench/decide.py --probe est_hit_error`` measures its error against a real tokenizer and chat template on held-out
 conversations.
 """
 

@@ -1,8 +1,8 @@
 """Give back the memory of dicts that shrank: CPython never resizes a dict on deletion.
 
 A dict keeps the table of its largest size until an insertion happens to resize it, so a map that
-held 160 k in-flight requests (5 MB of table) keeps those 5 MB through an idle spell after every
-entry left, and the heap around it cannot be returned either. Owners of maps that swing with load
+held a peak's in-flight requests keeps that peak's table through an idle spell after every entry
+left, and the heap around it cannot be returned either. Owners of maps that swing with load
 call :func:`compacted` after removals and keep what it returns: a right-sized copy when the table is
 far larger than its entries need, else the same dict.
 """
@@ -21,9 +21,8 @@ BYTES_PER_ENTRY = 128
 SLACK = 4096  # small tables are not worth a copy
 #: A copy is made once the map holds at most this many entries (or its table is over
 #: :data:`HUGE_BYTES_PER_ENTRY` bytes per entry). Copying touches every key and value, scattered
-#: over the heap of a busy process: 58 k in-flight requests took 55 ms (bench/soak.py
-#: --slow-callbacks, the in-flight map 30 s after a burst of lost requests) against 7 ms in a
-#: fresh process, so a map shrinking from a peak keeps its peak's table until a copy is short.
+#: over the heap of a busy process (far slower than in a fresh one: ``bench/soak.py
+#: --slow-callbacks``), so a map shrinking from a peak keeps its peak's table until a copy is short.
 MAX_COPY = 8192
 HUGE_BYTES_PER_ENTRY = 2048
 

@@ -1,8 +1,11 @@
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
+from gateway_helpers import make_stack  # noqa: F401  (the gateway tests' stack fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +28,14 @@ def vllm_fixture(shared: Path) -> dict:
     if not p.exists():
         pytest.skip(f"{p} missing")
     return json.loads(p.read_text())
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    """A ZMQ asyncio context for one test, destroyed (no linger) after it."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

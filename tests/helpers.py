@@ -38,3 +38,8 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(poll_s)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (polling every 5 ms) until ``cond()`` holds; fail after ``timeout`` seconds."""
+    await wait_for(cond, timeout, poll_s=0.005)

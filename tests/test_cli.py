@@ -41,11 +41,11 @@ def test_controller_rejects_a_bad_config_with_its_key_path(tmp_path):
 
 @pytest.mark.parametrize("allocator", ["malloc", "pymalloc"])
 def test_controller_restarts_itself_under_the_configured_allocator(tmp_path, allocator):
-    from tests.services import free_port
+    from services import free_port
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"server:\n  route_url: tcp://127.0.0.1:{free_port()}\n  metrics_port: {free_port()}\n"
-                   f"  allocator: {allocator}\n")
+                   f"advanced:\n  allocator: {allocator}\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
     proc = subprocess.Popen([sys.executable, "-m", "smetric_lmc.cli", "controller", "--config", str(cfg)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from test_controller_service import BS, PROMPT, ROOT, ServiceThread, make_core, seed
+from service_helpers import BS, PROMPT, ROOT, ServiceThread, make_core, seed
 
 from smetric_lmc.client import AsyncRouteClient, RouteClient, RouteError, RouteTimeout, build_route_request
 from smetric_lmc.hashing import HashSettings, fast_chain

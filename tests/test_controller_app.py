@@ -25,7 +25,7 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
-from aiohttp import web
+from app_helpers import FakeEngine, RecordedEngine, base_config
 from services import fixture_path, free_port
 
 from smetric_lmc.client import AsyncRouteClient, RouteClient
@@ -33,29 +33,8 @@ from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.hashing import fast_chain
 
-END = ((1 << 64) - 1).to_bytes(8, "big")
-
 # These waits follow in-process sockets, which answer within a few milliseconds.
 wait_for = functools.partial(helpers.wait_for, poll_s=0.01)
-
-
-def base_config(**over: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "model": "tiny",
-        "hashing": {"block_size": 32},
-        "instances": [
-            {"id": "a", "http": "http://127.0.0.1:9"},
-            {"id": "b", "http": "http://127.0.0.1:9"},
-        ],
-        "server": {"route_url": "tcp://127.0.0.1:*", "metrics_port": 0},
-        "load": {"metrics_poll_s": 0},
-    }
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    return cfg
 
 
 @pytest.fixture
@@ -74,84 +53,7 @@ async def running() -> AsyncIterator[Callable[..., Any]]:
         await app.close()
 
 
-class FakeEngine:
-    """An aiohttp server standing in for a vLLM engine's /metrics endpoint."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.running = 0
-        self.waiting = 0
-        self.hits = 0
-        self._runner: web.AppRunner | None = None
-
-    async def _metrics(self, _req: web.Request) -> web.Response:
-        self.hits += 1
-        text = (
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{engine="0",model_name="tiny"}} {float(self.running)}\n'
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {float(self.waiting)}\n'
-        )
-        return web.Response(text=text, content_type="text/plain")
-
-    async def start(self) -> FakeEngine:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-
 # ---- end to end: recorded vLLM events -> route ------------------------------------------------------
-
-
-class RecordedEngine:
-    """Publishes the recorded vLLM frames on a real XPUB and answers replays from the recording."""
-
-    def __init__(self, frames: list[list[str]], ctx: zmq.asyncio.Context) -> None:
-        self.frames = [[bytes.fromhex(x) for x in f] for f in frames]
-        self.pub_port, self.replay_port = free_port(), free_port()
-        self.pub = ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
-        self.replay = ctx.socket(zmq.ROUTER)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
-        self.replay_requests: list[int] = []
-        self.published = -1  # replay serves what the engine has produced so far, lost batches included
-        self._task = asyncio.create_task(self._serve_replay())
-
-    async def wait_subscribed(self) -> None:
-        # XPUB hands us the subscription: publishing before it would be lost (slow joiner).
-        msg = await asyncio.wait_for(self.pub.recv(), 5)
-        assert msg[:1] == b"\x01"
-
-    async def publish(self, seq: int) -> None:
-        self.published = max(self.published, seq)
-        await self.pub.send_multipart(self.frames[seq])
-
-    async def _serve_replay(self) -> None:
-        while True:
-            ident, empty, start = await self.replay.recv_multipart()
-            first = int.from_bytes(start, "big")
-            self.replay_requests.append(first)
-            for topic, seq, payload in self.frames[first : self.published + 1]:
-                await self.replay.send_multipart([ident, empty, topic, seq, payload])
-            await self.replay.send_multipart([ident, empty, b"", END, b""])
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self.pub.close(linger=0)
-        self.replay.close(linger=0)
 
 
 def _chat(fixture: dict[str, Any], session: str, turn: int) -> dict[str, Any]:
@@ -264,7 +166,7 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
         # whose /metrics answered, enters routing.
         session = list(range(1000, 1000 + 32 * 8))
         app.index.gpu_stored("b", list(range(8)), None, session, 32)
-        await wait_for(lambda: app.routable() == ["a"], 3.0, "a to enter routing, b not")
+        await wait_for(lambda: app.membership.routable_ids() == ["a"], 3.0, "a to enter routing, b not")
         # Out of routing, but its index is kept (marked stale), not wiped.
         assert app.index.gpu_blocks_of("b") == 8
         assert app.index.stale_instances() == ["b"]
@@ -284,7 +186,7 @@ async def test_silent_instance_leaves_routing_and_comes_back(running: Callable[.
             infos = {i.id: i for i in await client.instances()}
             assert infos["b"].routable is False and infos["a"].routable is True
             await engine_b.start()
-            await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 3.0, "b to come back")
+            await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 3.0, "b to come back")
             # The session's KV is still on b: its next turn sticks there instead of rebalancing.
             d = await client.route("f1", token_ids=follow_up, turn=2, est_hit_tokens=len(session))
             assert (d.instance_id, d.reason.value, d.local_hit_tokens) == ("b", "sticky", len(session))
@@ -310,7 +212,7 @@ async def test_engine_metrics_heal_a_lost_done(running: Callable[..., Any]) -> N
                 load={"metrics_poll_s": 0.05, "lost_done_grace_s": 0.0, "instance_timeout_s": 30},
             )
         )
-        await wait_for(lambda: app.routable() == ["a"], 3.0, "a alive")
+        await wait_for(lambda: app.membership.routable_ids() == ["a"], 3.0, "a alive")
         async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
             d = await client.route("lost", token_ids=[7] * 64, turn=0)
             assert d.instance_id == "a" and len(app.load) == 1
@@ -366,10 +268,10 @@ async def test_policy_hot_reloads_from_the_file(running: Callable[..., Any], tmp
         assert d.policy == "bailian"
 
     rewrite("policy: {hit_ratio: 7}\n")  # invalid: ignored, the running policy stays
-    await wait_for(lambda: app.reloads["rejected"] == 1, 3.0, "rejected reload")
+    await wait_for(lambda: app.reloader.counts["rejected"] == 1, 3.0, "rejected reload")
     rewrite("policy: [unclosed\n")
-    await wait_for(lambda: app.reloads["rejected"] == 2, 3.0, "rejected reload")
-    assert app.router.policy_cfg.name == "bailian" and app.reloads["applied"] == 1
+    await wait_for(lambda: app.reloader.counts["rejected"] == 2, 3.0, "rejected reload")
+    assert app.router.policy_cfg.name == "bailian" and app.reloader.counts["applied"] == 1
 
 
 def test_cli_runs_reloads_on_sighup_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import threading
 import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
+from service_helpers import BS, PROMPT, ROOT, ServiceThread, connect_dealer, make_core, route_req, seed
 
-from smetric_lmc.config import InstanceConfig, PolicyConfig
-from smetric_lmc.controller.service import RouteCore, RouteService, split_envelope
-from smetric_lmc.hashing import HashSettings, fast_chain, fast_root, lmcache_chunk_chain
-from smetric_lmc.index import TierIndex
-from smetric_lmc.load import LoadTracker
-from smetric_lmc.router import Router
+from smetric_lmc.controller.service import RouteService, split_envelope
+from smetric_lmc.hashing import fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import (
     DoneAck,
     DoneReport,
@@ -36,78 +31,6 @@ from smetric_lmc.wire import (
     encode,
 )
 
-BS = 16
-ROOT = fast_root("test-model")
-PROMPT = list(range(1000, 1000 + 40 * BS + 7))  # 40 full blocks and a partial one
-
-
-class ServiceThread:
-    """A RouteService on its own event loop in a thread, so blocking test clients can call it."""
-
-    def __init__(self, core: RouteCore, url: str = "tcp://127.0.0.1:*", **kw: object) -> None:
-        self.core = core
-        self.url = url
-        self.kw = kw
-        self.endpoint = ""
-        self.service: RouteService | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        ctx = zmq.asyncio.Context()
-        try:
-            self.service = RouteService(self.core, self.url, ctx=ctx, **self.kw)  # type: ignore[arg-type]
-            self.endpoint = self.service.bind()
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            loop.run_until_complete(self.service.run())
-        finally:
-            loop.run_until_complete(self.service.close())
-            ctx.destroy(linger=0)
-            loop.close()
-
-    def __enter__(self) -> ServiceThread:
-        self._thread.start()
-        self._ready.wait(5)
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        assert self._loop is not None and self.service is not None
-        fut = asyncio.run_coroutine_threadsafe(self.service.close(), self._loop)
-        fut.result(5)
-        self._thread.join(5)
-
-
-def make_core(
-    n: int = 2, *, want_chunks: bool = False, disaggregated: bool = False, roles: list[str] | None = None
-) -> RouteCore:
-    index = TierIndex(BS, 256, fast_root=ROOT)
-    load = LoadTracker()
-    insts = [
-        InstanceConfig(id=f"i{k}", http=f"http://127.0.0.1:{8000 + k}", role=(roles[k] if roles else "both"))  # type: ignore[arg-type]
-        for k in range(n)
-    ]
-    for inst in insts:
-        index.register_instance(inst.id)
-        load.add_instance(inst.id)
-    router = Router(index, load, PolicyConfig(), disaggregated=disaggregated)
-    hs = HashSettings(block_size=BS, fast_root=ROOT, want_chunks=want_chunks)
-    return RouteCore(index, load, router, insts, hs, disaggregated=disaggregated)
-
-
-def seed(core: RouteCore, instance: str, tokens: list[int]) -> None:
-    core.index.gpu_stored_hashes(instance, fast_chain(tokens, BS, root=ROOT))
-
 
 @pytest.fixture
 def svc() -> Iterator[ServiceThread]:
@@ -123,18 +46,6 @@ def dealer(svc: ServiceThread) -> Iterator[zmq.Socket]:
         yield s
 
 
-@contextlib.contextmanager
-def connect_dealer(endpoint: str) -> Iterator[zmq.Socket]:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 3000)
-    s.connect(endpoint)
-    try:
-        yield s
-    finally:
-        s.close(linger=0)
-
-
 def ask(sock: zmq.Socket, payload: bytes, *, delimiter: bool = True) -> bytes:
     sock.send_multipart([b"", payload] if delimiter else [payload])
     frames = sock.recv_multipart()
@@ -143,11 +54,6 @@ def ask(sock: zmq.Socket, payload: bytes, *, delimiter: bool = True) -> bytes:
     else:
         assert len(frames) == 1
     return frames[-1]
-
-
-def route_req(rid: str = "r1", **kw: object) -> RouteRequest:
-    kw.setdefault("token_ids", PROMPT)
-    return RouteRequest(request_id=rid, turn=2, est_hit_tokens=len(PROMPT) - 50, **kw)  # type: ignore[arg-type]
 
 
 # ---- route, both encodings ----------------------------------------------------------------------

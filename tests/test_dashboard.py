@@ -3,7 +3,7 @@
 Every PromQL expression of the dashboard is read for its metric names and label names; then a real
 controller (``ControllerApp``: real ZMQ, real HTTP ``/metrics``) fed with vLLM's recorded KV event
 frames, and a real gateway in front of two HTTP peers standing in for engines (those of
-tests/test_gateway.py), serve some requests and are scraped. Each metric the dashboard uses must
+tests/gateway_helpers.py), serve some requests and are scraped. Each metric the dashboard uses must
 be among the samples they export, and each label it filters or groups by must be on them.
 """
 
@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 import zmq.asyncio
 from aiohttp import web
+from app_helpers import RecordedEngine
+from gateway_helpers import MSGS, FakeEngine
 from scrape import Scrape, scrape
 from services import fixture_path
-from test_controller_app import RecordedEngine
-from test_gateway import MSGS, FakeEngine
 
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp

@@ -1,6 +1,6 @@
 """No silent waits in the gateway's request path: every wait on a peer ends, and says so.
 
-Real gateway, real in-process controller (real ZMQ), and the HTTP engines of tests/test_gateway.py
+Real gateway, real in-process controller (real ZMQ), and the HTTP engines of tests/gateway_helpers.py
 on 127.0.0.1 (they stand in for vLLM: these tests are about the gateway's own HTTP client).
 """
 
@@ -13,11 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-import test_gateway
+from gateway_helpers import MSGS, SSE_EVENTS, Stack, StackFactory
 from scrape import scrape
-from test_gateway import MSGS, SSE_EVENTS, Stack, StackFactory
-
-make_stack = test_gateway.make_stack  # the same fixture: fake engines, in-process controller, gateway
 
 # More streams at once than aiohttp's default connection pool holds (100 in use per session).
 HELD_STREAMS = 120

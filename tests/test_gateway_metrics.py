@@ -1,5 +1,5 @@
 """The gateway's ``/metrics``: real requests through a real gateway and controller (real ZMQ), then a
-scrape of what the gateway exported. The engines are the HTTP peers of tests/test_gateway.py (they
+scrape of what the gateway exported. The engines are the HTTP peers of tests/gateway_helpers.py (they
 answer with OpenAI-shaped bodies whose ``cached_tokens`` the test knows: 32 for a JSON answer,
 48 for a stream)."""
 
@@ -8,13 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import test_gateway
+from gateway_helpers import BLOCK, MSGS, Stack, StackFactory, render, tokens_of
 from scrape import Scrape, scrape
-from test_gateway import BLOCK, MSGS, Stack, StackFactory, render, tokens_of
 
 from smetric_lmc.hashing import fast_chain
-
-make_stack = test_gateway.make_stack  # the same fixture: fake engines, in-process controller, gateway
 
 FOLLOW = [*MSGS, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "Again."}]
 

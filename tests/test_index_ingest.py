@@ -7,7 +7,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_index import Naive, path_to, random_tree
+from index_helpers import Naive, path_to, random_tree
 
 from smetric_lmc.hashing import fast_chain
 from smetric_lmc.index import TierIndex

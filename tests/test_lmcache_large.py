@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq.asyncio
-from test_lmcache_server import RecordingSink, ctx, ops, push, reg, serving, until  # noqa: F401  (ctx: fixture)
+from lmcache_helpers import RecordingSink, ops, push, reg, serving, until
 
+from smetric_lmc.controller import lmcache_kvops as kvops
 from smetric_lmc.controller import lmcache_proto as P
-from smetric_lmc.controller import lmcache_server as S
+from smetric_lmc.controller import offload
 from smetric_lmc.controller.offload import OffloadWorker
 
 
@@ -56,8 +57,8 @@ class TickingSink(RecordingSink):
 async def test_large_pull_frames_go_to_the_worker_and_apply_in_slices(
     ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    monkeypatch.setattr(S, "OFFLOAD_BYTES", 1000)
-    monkeypatch.setattr(S, "OPS_SLICE", 500)
+    monkeypatch.setattr(offload, "OFFLOAD_BYTES", 1000)
+    monkeypatch.setattr(kvops, "OPS_SLICE", 500)
     sink = TickingSink()
     worker = OffloadWorker()  # a real spawned process, as the controller runs it
     n = 6000
@@ -117,7 +118,7 @@ class CrashingWorker(OffloadWorker):
 async def test_a_frame_lost_with_the_worker_is_counted_and_the_server_goes_on(
     ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    monkeypatch.setattr(S, "OFFLOAD_BYTES", 1000)
+    monkeypatch.setattr(offload, "OFFLOAD_BYTES", 1000)
     sink = RecordingSink()
     async with serving(ctx, sink, full_sync_on_start=False, worker=CrashingWorker()) as (server, w):
         await w.call(reg("a"))
@@ -130,7 +131,7 @@ async def test_a_frame_lost_with_the_worker_is_counted_and_the_server_goes_on(
 async def test_without_a_worker_large_frames_are_counted_on_the_loop(
     ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
-    monkeypatch.setattr(S, "OFFLOAD_BYTES", 1000)
+    monkeypatch.setattr(offload, "OFFLOAD_BYTES", 1000)
     sink = RecordingSink()
     async with serving(ctx, sink, full_sync_on_start=False) as (server, w):
         await w.call(reg("a"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from lmcache_venv import run_in_lmcache_venv
+from kit.lmcache_venv import run_in_lmcache_venv
 
 from smetric_lmc.controller import lmcache_proto as P
 
@@ -190,6 +190,7 @@ def _our_replies() -> list[msgspec.Struct]:
     ]
 
 
+@pytest.mark.integration
 def test_cross_codec_with_lmcache_classes() -> None:
     ours = _our_replies()
     keys = [-9006915360733114755, 6249281391258955993, 2**64 - 1]

@@ -1,3 +1,5 @@
+from load_helpers import young_after_churn
+
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.policy import rr_argmin
 
@@ -133,23 +135,6 @@ def test_a_reconcile_in_slices_ends_where_one_call_does():
     assert healed == total == 481 and calls == 8  # 481 / 64 entries a slice
     assert sliced.loads(["a"]) == one.loads(["a"]) == [20.0]
     assert sliced.unprefilled("a") == one.unprefilled("a") and sliced.stats == one.stats
-
-
-def young_after_churn(step) -> int:
-    """Objects in the cyclic GC's youngest generation after 20,000 steps of a route-and-expire
-    churn at CPython's default thresholds (each step makes one long-lived record and expiry frees
-    an old one)."""
-    import gc
-
-    old = gc.get_threshold()
-    gc.collect()
-    gc.set_threshold(700, 10, 10)
-    try:
-        for k in range(20_000):
-            step(k)
-        return len(gc.get_objects(0))
-    finally:
-        gc.set_threshold(*old)
 
 
 def test_expiry_churn_does_not_pile_up_young_gc_objects():

@@ -21,6 +21,9 @@ from smetric_lmc.replay.runner import Record, ReplayConfig, replay
 from smetric_lmc.workers import up
 from smetric_lmc.workload import synthetic
 
+#: 16 mock-engine processes behind the real controller and gateway: a multi-process stack.
+pytestmark = pytest.mark.integration
+
 N = 16
 OVERLOAD = 1.3  # sheds at 1.3 x mean load: with ~2 sessions an instance, hot spots occur
 

@@ -20,7 +20,8 @@ import aiohttp
 import numpy as np
 from helpers import wait_for
 
-from smetric_lmc.controller.vllm_events import VllmEventSubscriber, decode_payload
+from smetric_lmc.controller.vllm_events import VllmEventSubscriber
+from smetric_lmc.controller.vllm_wire import decode_payload
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.mock_engine.kv_events import all_blocks_cleared, block_removed, block_stored, encode_batch
 from smetric_lmc.mock_engine.server import encode_text, render_chat

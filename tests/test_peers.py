@@ -1,20 +1,15 @@
-"""bench/peers.py at a reduced size: every peer finds the same best hit for every query.
+"""The peer harness of bench/peers.py (bench/kit/peers.py) at a reduced size: every peer finds the same best hit for every query.
 
 Speed and memory are bench figures (``python bench/peers.py``); here only agreement, which must be
 exact. Dynamo's RadixTree comes with the ``peers`` extra, LMCache's controller with the engine venv.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-from lmcache_venv import require_lmcache_python
+from kit import peers
+from kit.lmcache_venv import require_lmcache_python
 
-_spec = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "bench" / "peers.py")
-peers = importlib.util.module_from_spec(_spec)
-sys.modules["peers"] = peers
-_spec.loader.exec_module(peers)
+#: Real peer indexers (Dynamo's Rust tree, LMCache's controller in its venv).
+pytestmark = pytest.mark.integration
 
 SIZE = peers.Size(instances=8, blocks=20_000, queries=120)
 

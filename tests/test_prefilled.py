@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from test_controller_service import ServiceThread
+from service_helpers import ServiceThread
 
 from smetric_lmc.client import RouteClient
 from smetric_lmc.config import InstanceConfig, PolicyConfig

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.prices import PriceCollector, make_feed
 from smetric_lmc.config import PolicyConfig
+from smetric_lmc.controller.prices import PriceCollector, make_feed
 from smetric_lmc.prices import (
     DEFAULT_PRIORS,
     TTFT_PRICES,

@@ -331,3 +331,6 @@ def test_fetch_axis_crossover_sentence() -> None:
     assert crossover(m, "full", "load_balance") == "at 1.1 GB/s per request and below (loses from line rate)"
     m.cells[("full", float("inf"))] = [kr(10.5, 10)]
     assert crossover(m, "full", "load_balance") == "at every retrieve speed"
+    m.cells[("full", 0.5)] = [kr(9, 10)]
+    m.cells[("full", 1.1)] = [kr(9, 10)]
+    assert crossover(m, "full", "load_balance") == "only at line rate (loses at 1.1 GB/s and below)"

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 from aiohttp import web
+from replay_helpers import check_feedback
 
 from smetric_lmc.mock_engine.cli import options, running_mocks
 from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
@@ -99,21 +100,6 @@ async def test_scaled_replay_and_skipped_requests() -> None:
         if r.ok:
             assert r.completion_tokens == r.output == max(1, round(tr.output_tokens * 0.5))
     assert any(r.ok and r.cached_tokens for r in records)
-
-
-def check_feedback(records: list, block: int) -> int:
-    """A follow-up that resent its predecessor's answer hits the predecessor's prompt and answer, in
-    whole blocks: the engine cached the generated tokens too. Returns how many were checked."""
-    by_key = {(r.session, r.request): r for r in records}
-    checked = 0
-    for r in records:
-        if r.answer_reused and r.ok:
-            prev = by_key[(r.session, r.request - 1)]
-            assert r.answer_reused == prev.completion_tokens
-            expect = min((prev.input + prev.completion_tokens) // block * block, (r.input - 1) // block * block)
-            assert r.cached_tokens == expect, (r.session, r.request, r.cached_tokens, expect)
-            checked += 1
-    return checked
 
 
 async def test_replay_resends_the_generated_answer_and_it_hits() -> None:

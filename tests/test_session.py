@@ -1,14 +1,10 @@
 """turn / est_hit from OpenAI messages, and the one est_hit estimate's error against a real tokenizer."""
 
-import sys
-from pathlib import Path
 
 import pytest
-from lmcache_venv import lmcache_python
+from kit.lmcache_venv import lmcache_python
 
 from smetric_lmc.session import ChatTokenEstimator, history_of, text_bytes, turn_of
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 CHAT = [
     {"role": "system", "content": "be brief"},
@@ -53,14 +49,11 @@ def test_observing_exact_counts_moves_the_rate_to_the_served_tokenizer():
     assert est.bytes_per_token == before
 
 
+@pytest.mark.integration
 def test_error_against_a_real_tokenizer_on_held_out_conversations():
     if lmcache_python() is None:
         pytest.skip("engine venv (transformers + the tiny model's tokenizer) not built: run .ci/engine-venv.sh")
-    sys.path.insert(0, str(BENCH))
-    try:
-        import est_hit_error as bench
-    finally:
-        sys.path.remove(str(BENCH))
+    from kit import token_estimate as bench
     convs = bench.conversations(60, seed=1)  # another seed than the README's figures
     truth = bench.exact_counts(convs)
     train, test = convs[:15], convs[15:]

@@ -7,14 +7,16 @@ import argparse
 import pytest
 
 from smetric_lmc.cli import Parser
+from smetric_lmc.replay.sim_cli import CALIBRATION
 from smetric_lmc.sim import cli
 
 SUBS = ("run", "report", "map", "validate", "calibrate", "paper")
 
 
 def _parser() -> argparse.ArgumentParser:
+    """`smetric sim` as the smetric command builds it: the replay package adds calibrate and validate."""
     ap = Parser(prog="smetric sim")
-    cli.add_arguments(ap)
+    cli.add_arguments(ap, CALIBRATION)
     return ap
 
 

@@ -16,10 +16,14 @@ import msgspec
 import numpy as np
 import pytest
 import zmq.asyncio
-from test_vllm_events import Recorder, ctx, engine_with_subscriber, running, until  # noqa: F401  (ctx: fixture)
+from helpers import until
+from vllm_helpers import Recorder, engine_with_subscriber, running
 
 from smetric_lmc.controller import vllm_events as V
+from smetric_lmc.controller import vllm_plan as VP
+from smetric_lmc.controller import vllm_wire as VW
 from smetric_lmc.controller.offload import OffloadWorker
+from smetric_lmc.controller.tasks import LoopBudget
 from smetric_lmc.index import TierIndex
 
 BS = 4
@@ -70,16 +74,16 @@ def test_a_worker_plan_applied_in_slices_indexes_what_one_pass_does() -> None:
     whole_counts: dict[str, int] = {}
     sliced_counts: dict[str, int] = {}
     for payload in payloads:
-        V.apply_batch(V.decode_payload(payload), whole, "e0", whole_counts)
-        planned = V.plan_payload(payload, 0, 65_536, 65_536, compact=True)
-        assert isinstance(planned, V.Planned)
+        VP.apply_batch(VW.decode_payload(payload), whole, "e0", whole_counts)
+        planned = VP.plan_payload(payload, 0, 65_536, 65_536, compact=True)
+        assert isinstance(planned, VP.Planned)
         # What the worker sends back is numpy arrays, not lists of Python ints.
-        assert all(isinstance(op[1], np.ndarray) for op in planned.ops if op[0] != V.CLEARED)
+        assert all(isinstance(op[1], np.ndarray) for op in planned.ops if op[0] != VP.CLEARED)
         for op in planned.ops:
-            for piece in V.cut_op(op, 256):
-                assert piece[0] == V.CLEARED or (isinstance(piece[1], list) and len(piece[1]) <= 256)
-                V.run_op(piece, sliced, "e0")
-        V.add_counts(sliced_counts, planned.counts)
+            for piece in VP.cut_op(op, 256):
+                assert piece[0] == VP.CLEARED or (isinstance(piece[1], list) and len(piece[1]) <= 256)
+                VP.run_op(piece, sliced, "e0")
+        VP.add_counts(sliced_counts, planned.counts)
     assert whole_counts == sliced_counts and whole_counts["blocks_stored"] == 3 + 2500 + 900 + 2 + 1300
     assert held(whole) == held(sliced)
     assert len(held(whole)) == 3 + 1000 + 900 + 2 + 1100  # the early run was adopted once its parent came
@@ -88,12 +92,12 @@ def test_a_worker_plan_applied_in_slices_indexes_what_one_pass_does() -> None:
 def test_plan_payload_refuses_what_the_loop_refuses() -> None:
     rng = random.Random(1)
     ok = ENC.encode([1.0, [stored([1, 2], None, rng)] * 3, 0])
-    assert V.plan_payload(ok, 0, 2, None) == "oversize"
-    assert V.plan_payload(b"\xc1" * 300, 0, 10, None) == "decode"
-    assert V.plan_payload(b"\x91" * 100_000 + b"\xc0", 0, 10, None) == "decode"  # nesting: no RecursionError
+    assert VP.plan_payload(ok, 0, 2, None) == "oversize"
+    assert VP.plan_payload(b"\xc1" * 300, 0, 10, None) == "decode"
+    assert VP.plan_payload(b"\x91" * 100_000 + b"\xc0", 0, 10, None) == "decode"  # nesting: no RecursionError
     too_big = ENC.encode([1.0, [stored(list(range(10)), None, rng)], 0])
-    planned = V.plan_payload(too_big, 0, 10, 8)
-    assert isinstance(planned, V.Planned) and planned.ops == [] and planned.counts["malformed"] == 1
+    planned = VP.plan_payload(too_big, 0, 10, 8)
+    assert isinstance(planned, VP.Planned) and planned.ops == [] and planned.counts["malformed"] == 1
 
 
 class IntsOnly(Recorder):
@@ -134,7 +138,9 @@ async def test_large_batches_go_to_the_worker_and_are_applied_in_slices(
     ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
     monkeypatch.setattr(V, "SLICE_BLOCKS", 128)
-    monkeypatch.setattr(V, "YIELD_AFTER_S", 0.0)  # a loop turn after every slice
+    # A loop turn after every slice (and every received batch).
+    monkeypatch.setattr(V, "SLICE_BUDGET", LoopBudget(items=1 << 62, nbytes=1 << 62, seconds=0.0))
+    monkeypatch.setattr(V, "LOOP_BUDGET", LoopBudget(seconds=0.0))
     rng = random.Random(3)
     payload, expected = big_batch(rng, 2000)
     small = ENC.encode([2.0, [stored([rng.getrandbits(64)], None, rng)], 0])

@@ -194,6 +194,7 @@ def lmcache_load(paths: list[Path]) -> dict[str, Any]:
     return json.loads(line[len("RESULT ") :])
 
 
+@pytest.mark.integration
 def test_repo_yamls_load_in_lmcache() -> None:
     res = lmcache_load(YAMLS)
     for path in YAMLS:
@@ -208,6 +209,7 @@ def test_repo_yamls_load_in_lmcache() -> None:
     assert res[str(YAMLS[1])]["loaded"]["remote_url"].startswith("redis://")
 
 
+@pytest.mark.integration
 def test_generated_yamls_load_in_lmcache_and_bad_one_is_rejected(tmp_path: Path) -> None:
     paths = []
     for store in ("mooncake", "redis"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from smetric_lmc.cli import main
 from smetric_lmc.workload import TraceRequest, TraceSession, Workload, analyze, save_native, synthetic
-from smetric_lmc.workload.cli import main
 from smetric_lmc.workload.presets import (
     PAPER_TRACE1,
     TRACE1,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from smetric_lmc.backoff import Backoff
 from smetric_lmc.workers import launch
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Part:
     on_replace: Callable[[launch.ProcessGroup], None] | None = None  # tell the owner of the new process
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
-    backoff_s: float = 0.0
+    backoff: Backoff | None = None  # set by the Supervisor
     due: float | None = None  # when an exited part restarts
 
     @property
@@ -57,7 +58,7 @@ class Supervisor:
         self.healthy_after_s = healthy_after_s
         self.clock = clock
         for p in parts:
-            p.backoff_s = backoff_s
+            p.backoff = Backoff(backoff_s, max(backoff_s, max_backoff_s))
 
     def check(self) -> list[str]:
         """One pass: notice exits, restart parts whose backoff ran out; returns the restarted."""
@@ -68,11 +69,13 @@ class Supervisor:
                 rc = part.proc.poll()
                 if rc is None:
                     continue
+                assert part.backoff is not None
                 if now - part.started >= self.healthy_after_s:
-                    part.backoff_s = self.backoff_s  # it had been up a while: start over
-                part.due = now + part.backoff_s
+                    part.backoff.reset()  # it had been up a while: start over
+                delay = part.backoff.next()
+                part.due = now + delay
                 log.error("%s exited with %s after %.1f s; restarting in %.1f s (log %s)", part.name, rc,
-                          now - part.started, part.backoff_s, part.proc.log_path)
+                          now - part.started, delay, part.proc.log_path)
             if now < part.due:
                 continue
             part.proc.stop(timeout_s=5.0)  # sweeps what is left of its process group
@@ -80,7 +83,6 @@ class Supervisor:
             new.start()
             part.proc, part.started, part.due = new, now, None
             part.restarts += 1
-            part.backoff_s = min(self.max_backoff_s, part.backoff_s * 2)
             if part.on_replace is not None:
                 part.on_replace(new)
             restarted.append(part.name)

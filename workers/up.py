@@ -28,8 +28,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,24 @@ def _pick(port: int) -> int:
     return port or launch.free_ports(1)[0]
 
 
+#: Entry-point group of engine stacks other than real vLLM (the lab's mock engines register
+#: ``mock`` in pyproject.toml): the launcher finds them by name and never imports the lab.
+STACK_GROUP = "smetric_lmc.stacks"
+
+
+def stack_plugin(name: str) -> Callable[[argparse.Namespace, Path], LocalStack]:
+    """The installed stack ``name`` (a function bringing it up), or a clear exit when none is."""
+    found = entry_points(group=STACK_GROUP, name=name)
+    if not found:
+        raise SystemExit(f"no '{name}' engine stack installed (entry point group {STACK_GROUP}); "
+                         "reinstall smetric-lmc (pip install -e .)")
+    return next(iter(found)).load()  # type: ignore[no-any-return]
+
+
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
     check_ports(args.host, {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port})
     if getattr(args, "mock", 0):
-        from smetric_lmc.mock_engine.stack import bring_up_mock
-
-        return bring_up_mock(args, workdir)
+        return stack_plugin("mock")(args, workdir)
     venv = launch.find_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(

@@ -52,7 +52,7 @@ O(distinct hit lengths), as a route asks; per-instance lists ``local_hit_tokens(
 ``gpu_block_counts``, ``sizes``, ``stats``.
 
 Storage (see ``tree``): GPU blocks are rows of array columns behind an open-addressing map, holder
-masks are interned ids: 55-75 bytes per block with engine aliases (``bench/peers.py``). A lookup
+masks are interned ids (bytes per block: ``bench/peers.py``, docs/measurements.md). A lookup
 finds every instance's hit length over monotone masks, probing first where each run was stored to
 end, then by bisection: O(distinct hit lengths x log n) probes at worst. The
 LMCache spaces learn no parent links and LRU evicts a sequence's first chunks first, so their

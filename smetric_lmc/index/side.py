@@ -8,7 +8,7 @@ from typing import Any
 
 from ..tables import compacted
 
-#: Pending entries (or orphan blocks) one ``expire`` call drops at most (~1 us each): a slice of the
+#: Pending entries (or orphan blocks) one ``expire`` call drops at most: a short slice of the
 #: loop even when a whole burst's prompts or a full cap of orphans fall due together.
 EXPIRE_SLICE = 4096
 #: Drops between two checks for maps that shrank (``smetric_lmc.tables``).
@@ -52,8 +52,8 @@ class Pending:
         self.anchors: dict[int, int] = {}  # anchor position in use -> entries filed there
         # Flat (deadline, slot, last, deadline, slot, last, ...), not a tuple per entry: tuples
         # are GC-tracked when made, and one per route freed by expiry as new ones are made kept
-        # CPython's generation-0 count below its threshold while young tuples piled up (a
-        # ~100 ms gen-0 collection, see smetric_lmc/load.py). Floats and ints are untracked.
+        # CPython's generation-0 count below its threshold while young tuples piled up (one long
+        # gen-0 collection, see smetric_lmc/load.py). Floats and ints are untracked.
         self.queue: deque[float | int] = deque()
         self.added = self.confirmed = self.expired = 0
         self._dropped = 0  # since the last check for shrunken maps
@@ -244,8 +244,8 @@ class Orphans:
             fifo.popleft()
 
     def expire(self, now: float, budget: int = EXPIRE_SLICE) -> None:
-        """Drop runs past their deadline, about ``budget`` blocks' worth (~1 us each; the rest, if
-        any, stay due): a whole cap of orphans falling due together took ~55 ms at once."""
+        """Drop runs past their deadline, about ``budget`` blocks' worth (the rest, if any, stay
+        due): a whole cap of orphans falling due together would otherwise be one long stall."""
         q = self.queue
         while q and q[0][0] <= now and budget > 0:
             _, slot, parent, run = q.popleft()

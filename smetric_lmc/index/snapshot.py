@@ -6,8 +6,8 @@ size, fast root: a snapshot made under other settings is refused), and per insta
 KV-event batch applied (``seq``, ``ts``) so the subscriber resumes with a replay from ``seq + 1``;
 plus the global tier's chunks. Arrays travel as little-endian bytes. ``write`` replaces the file
 atomically (a temporary file in the same folder, fsync, rename): a crash mid-write leaves the
-previous snapshot. ``fork_write`` takes and writes it in a forked child: the fork (~20 ms at
-10 M blocks, page tables only) is all the caller's thread pays, and the child sees the index and
+previous snapshot. ``fork_write`` takes and writes it in a forked child: the fork (page
+tables only) is all the caller's thread pays, and the child sees the index and
 the event positions frozen at that instant (copy on write), however long the export takes. ``restore`` rebuilds through the index's public store calls only (runs of
 blocks, parents first), so it does not depend on how the index lays out its rows.
 """

@@ -51,7 +51,7 @@ class TierIndex:
         self.clock = clock
         self.stale_ttl_s = stale_ttl_s
         self.sweep_rows = sweep_rows
-        self.sweep_work = sweep_work  # rows one slice frees at most (~1.5 us each): a few ms
+        self.sweep_work = sweep_work  # rows one slice frees at most: a few ms of the loop
         self._tree = GpuTree()
         self._pending = Pending(pending_ttl_s)
         self._orphans = Orphans(orphan_ttl_s, orphan_cap_blocks)

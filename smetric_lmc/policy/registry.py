@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from smetric_lmc.policy.view import Choice, ClusterView
 
-if TYPE_CHECKING:
-    from smetric_lmc.config import PolicyConfig
+#: A ``smetric_lmc.config.PolicyConfig``. Not imported, even for type checking: config imports
+#: this package to check policy names, and the two must not import each other.
+PolicyConfig = Any
 
 PolicyFn = Callable[[ClusterView], Choice]
 #: Optional view fields a policy may ask for; the router fills only what the active policy needs.

@@ -70,14 +70,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
-from smetric_lmc.policy.registry import register
+from smetric_lmc.policy.registry import PolicyConfig, register
 from smetric_lmc.policy.view import NO_INSTANCE, Choice, ClusterView, rr_argmin
 from smetric_lmc.wire import Reason
-
-if TYPE_CHECKING:
-    from smetric_lmc.config import PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)

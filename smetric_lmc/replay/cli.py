@@ -109,23 +109,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.set_defaults(func=run_replay)
 
 
-# ---- `smetric sim calibrate` / `smetric sim validate` (registered by smetric_lmc.sim.cli) ----------------
-def add_calibration_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("calibrate / validate")
-    g.add_argument("--engine", help="calibrate: base URL of a running, idle vLLM engine")
-    g.add_argument("--model-dir", help="calibrate: the served model's folder (config.json gives its shape)")
-    g.add_argument("--engine-log", help="calibrate: the engine's startup log (its scheduler limits are read there)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="calibrate: the engine's --max-num-seqs (default: from --engine-log, else vLLM's CPU default)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="calibrate: the engine's --max-num-batched-tokens (default: as --max-num-seqs)")
-    g.add_argument("--engines", type=int, default=2, help="validate: vLLM CPU engines to start")
-    g.add_argument("--repeats", type=int, default=3,
-                   help="validate: replays of each policy, in a balanced order (forward, reversed, forward, ...)")
-    g.add_argument("--kv-blocks", type=int, default=320,
-                   help="validate: KV blocks per engine (32 tokens each; vLLM's --num-gpu-blocks-override)")
-
-
+# ---- `smetric sim calibrate` / `smetric sim validate` (registered by replay/sim_cli.py) ----------------
 def run_calibration_action(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from smetric_lmc.replay.calibrate import calibrate

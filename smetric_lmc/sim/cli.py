@@ -3,7 +3,11 @@
 smetric sim (or smetric sim run) replays the built-in synthetic agentic workload on a small cluster
 and prints the policy comparison. Subcommands: run, report (docs/results.md), map (the regime map),
 paper (the SMetric paper's measurements side by side, docs/paper.md), calibrate and validate
-(against real vLLM engines). smetric sim SUBCOMMAND --help lists each one's options.
+(against real vLLM engines). smetric sim SUBCOMMAND --help lists each one's options. report and
+paper write where --out says (docs/results.md and docs/paper.md in a checkout).
+
+Calibrate and validate drive real engines: the replay package adds them (smetric_lmc.replay.sim_cli
+registers smetric sim), so that the simulator never imports the replay package.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from smetric_lmc.config import POLICY_NAMES, PolicyConfig
@@ -86,23 +92,37 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
 
 
+@dataclass(frozen=True)
+class ExtraAction:
+    """A ``smetric sim`` subcommand that a package above the simulator provides (the replay
+    package's calibrate and validate), handed in so that the simulator does not import it."""
+
+    name: str
+    text: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
 def _sub(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=text, description=text)  # type: ignore[no-any-return]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, extra: Sequence[ExtraAction] = ()) -> None:
     """``smetric sim`` and its subcommands; with no subcommand, ``sim`` is ``sim run``."""
     _run_arguments(p)
-    sub = p.add_subparsers(dest="action", metavar="{run,report,map,validate,calibrate,paper}")
+    names = ["run", "report", "map", *(a.name for a in extra), "paper"]
+    sub = p.add_subparsers(dest="action", metavar="{" + ",".join(names) + "}")
     _run_arguments(_sub(sub, "run", "Replay a workload on a simulated cluster and compare the routing policies "
                                     "(what plain smetric sim does)."))
-    r = _sub(sub, "report", "Regenerate docs/results.md: every policy over an offered-load sweep on the WEKA trace "
-                            "and the trace1 preset, with and without a global tier and under PD, plus the regime map.")
+    r = _sub(sub, "report", "Regenerate the results document (--out; docs/results.md in a checkout): every policy "
+                            "over an offered-load sweep on the WEKA trace and the trace1 preset, with and without a "
+                            "global tier and under PD, plus the regime map.")
     r.add_argument("--quick", action="store_true", help="the same pipeline on reduced sizes")
     r.add_argument("--rebuild", action="store_true", help="rewrite the document from the last run's saved results")
     r.add_argument("--trace", help="the WEKA trace (SMETRIC_SHARED/traces/weka-claude-code.tar.xz when not given)")
     r.add_argument("--shared-prefix", action="store_true", help="WEKA: shared system-prompt ids across sessions")
-    r.add_argument("--out", help="the document to write (docs/results.md when not given)")
+    r.add_argument("--out", metavar="FILE", help="the document to write, required (docs/results.md in a checkout; "
+                   "the regime map's PNG goes to img/ beside it)")
     _common(r)
     m = _sub(sub, "map", "The regime map: SMetric and the variant vs the best baseline over context length x "
                          "global-tier provisioning.")
@@ -115,33 +135,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rate) x the --tiers instead of context length x tier, e.g. 0.5,1.1,3.2,6.64,line")
     m.add_argument("--out", help="folder for map.md and regime_map.png")
     _common(m)
+    for a in extra:
+        a.arguments(_sub(sub, a.name, a.text))
     pp = _sub(sub, "paper", "The SMetric paper's section 4.1 and 5 setup, baselines tuned on a held-out seed; "
-                            "writes docs/paper.md, one row per published quantity, and one JSON line.")
+                            "writes the document --out names (docs/paper.md in a checkout), one row per published "
+                            "quantity, and one JSON line.")
     pp.add_argument("--quick", action="store_true", help="8 instances and smaller grids instead of 32")
-    pp.add_argument("--out", help="the document to write (docs/paper.md when not given)")
+    pp.add_argument("--out", metavar="FILE", help="the document to write, required (docs/paper.md in a checkout)")
     pp.add_argument("--fetch-path", help="the global tier's retrieve path (lmcache-mooncake-rdma when not given)")
     _common(pp, seed=False)  # its seeds are fixed: tuned on seed 1, judged on seed 0
-    c = _sub(sub, "calibrate", "Profile a running, idle vLLM engine and write a simulator profile YAML.")
-    c.add_argument("--engine", help="base URL of the engine")
-    c.add_argument("--model-dir", help="the served model's folder (its config.json gives the model's shape)")
-    c.add_argument("--engine-log", help="the engine's startup log (its scheduler limits are read there)")
-    c.add_argument("--max-num-seqs", type=int, help="the engine's --max-num-seqs (from --engine-log when not given)")
-    c.add_argument("--max-num-batched-tokens", type=int, help="the engine's --max-num-batched-tokens")
-    c.add_argument("--out", help="the profile YAML to write")
-    c.add_argument("--profile", help="base profile for the constants the engine cannot measure")
-    v = _sub(sub, "validate", "Replay the same workload on real vLLM CPU engines and in the simulator, side by side.")
-    v.add_argument("--engines", type=int, default=2, help="vLLM CPU engines to start")
-    v.add_argument("--repeats", type=int, default=3, help="replays of each policy, in a balanced order")
-    v.add_argument("--kv-blocks", type=int, default=320, help="KV blocks per engine (32 tokens each)")
-    v.add_argument("--policies", help="comma list of policies (the validation's default set when not given)")
-    v.add_argument("--out", help="output folder (validate-out when not given)")
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+def add_subcommands(subparsers: argparse._SubParsersAction, extra: Sequence[ExtraAction] = ()) -> None:
+    """Add ``sim`` under ``subparsers``; ``extra`` subcommands come from packages above the simulator."""
     p = subparsers.add_parser("sim", help="trace-driven cluster simulator (policy comparison, sweeps, reports)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    p.set_defaults(func=main_args)
+    add_arguments(p, extra)
+    p.set_defaults(func=main_args, extra_actions={a.name: a.run for a in extra})
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
@@ -193,10 +203,9 @@ def main_args(args: argparse.Namespace) -> int:
         from smetric_lmc.sim.map_cli import main_map
 
         return main_map(args)
-    if args.action in ("calibrate", "validate"):
-        from smetric_lmc.replay.cli import run_calibration_action
-
-        return run_calibration_action(args)
+    handler = getattr(args, "extra_actions", {}).get(args.action)
+    if handler is not None:
+        return handler(args)
     try:
         cfg = base_config(args)
         prof = load_profile(args.profile or cfg.profile)

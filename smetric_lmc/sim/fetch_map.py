@@ -97,7 +97,8 @@ def crossover(m: FetchMap, tier: str, baseline: str) -> str:
     if wins == gs[: len(wins)]:
         return f"at {_g(wins[-1])} per request and below (loses from {_g(gs[len(wins)])})"
     if wins == gs[-len(wins):]:
-        return f"at {_g(wins[0])} and above (loses at {_g(gs[-len(wins) - 1])} and below)"
+        top = "only at line rate" if math.isinf(wins[0]) else f"at {_g(wins[0])} and above"
+        return f"{top} (loses at {_g(gs[-len(wins) - 1])} and below)"
     return "at " + ", ".join(_g(g) for g in wins)
 
 

@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -397,7 +396,12 @@ def document(run: PaperRun, rows: list[Row], summary: dict[str, Any], command: s
 
 
 def main_paper(args: argparse.Namespace, size: PaperSize | None = None) -> int:
+    from smetric_lmc.sim.results_doc import out_option, out_or_none, write_document
+
     size = size or (QUICK if getattr(args, "quick", False) else FULL)
+    out = out_or_none(args, "paper", "docs/paper.md")
+    if out is None:
+        return 2
     try:
         prof = load_profile(getattr(args, "profile", None) or "qwen3-30b-a3b-h20")
         base = load_sim_config(getattr(args, "config", None), fetch_path=getattr(args, "fetch_path", None))
@@ -406,8 +410,6 @@ def main_paper(args: argparse.Namespace, size: PaperSize | None = None) -> int:
     run = run_paper(size, base, prof, getattr(args, "jobs", 1) or 1)
     rows = build_rows(run.eval)
     summary = summary_line(run, rows)
-    cmd = "smetric sim paper" + (" --quick" if size is QUICK else "") + f" --jobs {getattr(args, 'jobs', 1) or 1}"
+    cmd = f"smetric sim paper {out_option(out)}" + (" --quick" if size is QUICK else "") + f" --jobs {getattr(args, 'jobs', 1) or 1}"
     doc = document(run, rows, summary, cmd, prof)
-    from smetric_lmc.sim.results_doc import write_document
-
-    return write_document(Path(getattr(args, "out", None) or Path("docs") / "paper.md"), doc, summary)
+    return write_document(out, doc, summary)

@@ -181,14 +181,15 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Profil
 
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     """Load a profile by name (the packaged ``configs/profiles/<name>.yaml``) or path."""
-    from smetric_lmc.config import packaged_config, read_yaml
+    from smetric_lmc.config import ConfigError, packaged_config, read_yaml
 
     p = Path(name_or_path)
     names = profile_names()
     if str(name_or_path) in names:  # a name (names may hold dots: llama-3.1-8b-...)
         return profile_from_dict(read_yaml(packaged_config(f"profiles/{name_or_path}.yaml")), f"{name_or_path}.yaml")
     if p.suffix not in (".yaml", ".yml"):
-        raise ValueError(f"unknown profile {str(name_or_path)!r}; known: {', '.join(names)} (or a .yaml path)")
+        raise ConfigError(f"unknown profile {str(name_or_path)!r} (cannot read profiles/{name_or_path}.yaml); "
+                          f"known: {', '.join(names)}, or a .yaml path")
     return profile_from_dict(read_yaml(p), p.name)
 
 

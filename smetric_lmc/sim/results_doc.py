@@ -1,4 +1,4 @@
-"""``smetric sim report``: regenerate docs/results.md, ending with one JSON line.
+"""``smetric sim report --out docs/results.md``: regenerate the results document, ending with one JSON line.
 
 Settings (each policy at its own saturation knee, see knee.py): the `trace1` preset with the global
 tier full, without one, and under PD disaggregation; the WEKA Claude Code trace with and without the
@@ -314,6 +314,9 @@ def variant_losses(m: RegimeMap, bl: tuple[str, ...]) -> str:
 def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     """`size` overrides FULL/QUICK (tests run a tiny one)."""
     size = size or (QUICK if getattr(args, "quick", False) else FULL)
+    out = out_or_none(args, "report", "docs/results.md")
+    if out is None:
+        return 2
     trace = Path(args.trace) if args.trace else shared_dir() / "traces" / "weka-claude-code.tar.xz"
     if not trace.exists():
         print(f"trace not found: {trace} (set SMETRIC_SHARED or pass --trace)")
@@ -339,7 +342,6 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
         log.info("results saved to %s (`smetric sim report --rebuild` rewrites the document from them)", cache)
     for kr in [*res.values(), *(k for c in m.cells for k in c.knees)]:
         refresh_flags(kr)
-    out = Path(args.out) if args.out else Path("docs") / "results.md"  # run from the checkout it documents
     png = heatmap_png(m, out.parent / "img" / "regime_map.png")
     busy = [float(r.summary.get("gpu_busy_share", 0.0)) for kr in res.values() for r in kr.peaks.values()]
     summary = {
@@ -357,6 +359,22 @@ def main_report(args: argparse.Namespace, size: Size | None = None) -> int:
     doc = build_document(args, size, base, prof, wl_stats, res, m, sens, bl, png.relative_to(out.parent).as_posix(),
                          elapsed, summary, jobs)  # fmt: skip
     return write_document(out, doc, summary, also=png)
+
+
+def out_or_none(args: argparse.Namespace, command: str, in_checkout: str) -> Path | None:
+    """The document ``smetric sim COMMAND`` writes: --out, never a default (the installed package
+    does not know where a checkout's docs/ is). None, after saying so, when --out is missing."""
+    out = getattr(args, "out", None)
+    if not out:
+        print(f"smetric sim {command} needs --out FILE: where to write the document ({in_checkout} in a checkout)")
+        return None
+    return Path(out)
+
+
+def out_option(out: Path) -> str:
+    """``--out FILE`` as a generated document quotes its command: a relative path as given, an
+    absolute one by its name only (a document names no path of the machine that wrote it)."""
+    return f"--out {out.name if out.is_absolute() else out.as_posix()}"
 
 
 def write_document(out: Path, doc: str, summary: dict[str, Any], also: Path | None = None) -> int:
@@ -418,7 +436,7 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
                    summary: dict[str, Any], jobs: int) -> str:  # fmt: skip
     quick = size is not FULL
     cmd = (
-        "smetric sim report"
+        f"smetric sim report {out_option(Path(args.out))}"
         + (" --quick" if quick else "")
         + (f" --jobs {jobs}" if jobs > 1 else "")
     )
@@ -430,7 +448,8 @@ def build_document(args: argparse.Namespace, size: Size, base: SimConfig, prof: 
             f" — the **quick** run: reduced sizes ({size.instances} instances, {size.window_s:g} s arrival windows, "
             f"{len(size.factors)} loads per knee, a {len(size.map.xs)} × {len(size.map.tiers)} map on "
             f"{size.map.instances} instances over {len(size.map.seeds)} arrival seeds; the five settings above the map "
-            f"run one seed each). The full run is `smetric sim report --jobs 2` ({FULL.instances} "
+            f"run one seed each). The full run is `smetric sim report {out_option(Path(args.out))} --jobs 2` "
+            f"({FULL.instances} "
             f"instances, {FULL.window_s:g} s windows, {len(FULL.factors)} loads per knee, the "
             f"{len(FULL.map.xs)} × {len(FULL.map.tiers)} map on {FULL.map.instances} instances); its numbers "
             "replace these when it is run."

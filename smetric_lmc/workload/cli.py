@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,9 +91,7 @@ def presets_table(workloads: dict[str, Workload], kv_tokens: int) -> str:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from smetric_lmc.sim.profile import load_profile
-
-    kv = load_profile("qwen3-30b-a3b-h20").kv_capacity_tokens()
+    kv = args.kv_tokens()
     wls: dict[str, Workload] = {
         f"preset {name} ({args.sessions} roots)": preset_workload(name, args.sessions, seed=args.seed)
         for name in PRESETS
@@ -106,8 +105,11 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `trace analyze|convert|synth` under a `trace` command of `subparsers`."""
+def add_trace_subcommands(subparsers: argparse._SubParsersAction,
+                          presets_kv_tokens: Callable[[], int] | None = None) -> None:
+    """Add `trace analyze|convert|synth` under a `trace` command of `subparsers`, and `trace
+    presets` when ``presets_kv_tokens`` (an instance's KV capacity, from an engine profile: the
+    simulator's, which this package does not import) is given."""
     trace = subparsers.add_parser("trace", help="workload traces: analyse, convert, generate")
     sub = trace.add_subparsers(dest="trace_cmd", required=True)
 
@@ -126,11 +128,12 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="intra-session reuse per session family (root + sub-agents) or per session (the paper)")  # fmt: skip
     a.set_defaults(func=_cmd_analyze)
 
-    t = sub.add_parser("presets", help="each synthetic preset's statistics vs the paper's published Trace 1")
-    t.add_argument("--sessions", type=int, default=600, help="root sessions generated per preset")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--weka", default=None, help="also analyse this WEKA trace (with --shared-prefix)")
-    t.set_defaults(func=_cmd_presets)
+    if presets_kv_tokens is not None:
+        t = sub.add_parser("presets", help="each synthetic preset's statistics vs the paper's published Trace 1")
+        t.add_argument("--sessions", type=int, default=600, help="root sessions generated per preset")
+        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--weka", default=None, help="also analyse this WEKA trace (with --shared-prefix)")
+        t.set_defaults(func=_cmd_presets, kv_tokens=presets_kv_tokens)
 
     c = sub.add_parser("convert", help="convert a trace to the native workload format")
     c.add_argument("input")

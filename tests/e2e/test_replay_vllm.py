@@ -34,7 +34,7 @@ def test_replay_reproduces_block_sharing_on_vllm(start_engines: Callable[..., li
 
 def test_replayed_answers_hit_vllm_decode_blocks(start_engines: Callable[..., list]) -> None:
     """With feedback, a follow-up resends the tokens vLLM generated; vLLM cached their full blocks."""
-    from test_replay import check_feedback
+    from replay_helpers import check_feedback
 
     (engine,) = start_engines(1)
     wl = small_workload(sessions=2, turns=6, context_scale=0.05, output_scale=0.05, seed=4)

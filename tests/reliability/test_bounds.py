@@ -3,30 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
-import hostile
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 from helpers import wait_for
+from kit import hostile
+from service_helpers import PROMPT, make_core  # noqa: E402
 from services import free_port
 
 from smetric_lmc.config import ConfigError, LimitsConfig, parse_config
 from smetric_lmc.controller import lmcache_proto as P
 from smetric_lmc.controller.lmcache_holdings import Holdings, SlotsExhausted
 from smetric_lmc.controller.lmcache_server import MISSING_WINDOW, LMCacheWorkerServer
-from smetric_lmc.controller.vllm_events import PayloadError, VllmEventSubscriber, decode_payload
+from smetric_lmc.controller.vllm_events import VllmEventSubscriber
+from smetric_lmc.controller.vllm_wire import PayloadError, decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.wire import ErrorReply, InstancesReply, InstancesRequest, decode_reply, encode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_service import PROMPT, make_core  # noqa: E402
 
 _enc = msgspec.msgpack.encode
 
@@ -349,14 +346,13 @@ def test_limits_must_be_positive() -> None:
 # ---- part supervision -------------------------------------------------------------------------------
 
 
-async def test_restart_backoff_starts_over_after_a_recovery(monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+async def test_restart_backoff_starts_over_after_a_recovery(caplog: pytest.LogCaptureFixture) -> None:
     # A part that ran a while before each crash restarts at the shortest backoff every time;
     # before, six crashes spread over hours left an engine's ingest 10 s behind each time.
-    from smetric_lmc.controller.app import ControllerApp
+    from smetric_lmc.controller.tasks import Supervisor
 
-    app = ControllerApp(parse_config({"load": {"metrics_poll_s": 0}}), enable_metrics_http=False)
-    monkeypatch.setattr(ControllerApp, "RECOVERED_AFTER_S", 0.05)
+    supervisor = Supervisor(asyncio.Event())
+    supervisor.recovered_after_s = 0.05
     runs = 0
 
     async def part() -> None:
@@ -364,10 +360,10 @@ async def test_restart_backoff_starts_over_after_a_recovery(monkeypatch: pytest.
         runs += 1
         if runs > 3:
             return
-        await asyncio.sleep(0.1)  # longer than RECOVERED_AFTER_S
+        await asyncio.sleep(0.1)  # longer than recovered_after_s
         raise RuntimeError("peer damage")
 
-    with caplog.at_level("ERROR", logger="smetric_lmc.controller.app"):
-        await asyncio.wait_for(app._supervise("p", part), 10)
+    with caplog.at_level("ERROR", logger="smetric_lmc.controller.tasks"):
+        await asyncio.wait_for(supervisor.supervise("p", part), 10)
     delays = [r.getMessage().rsplit("=", 1)[1] for r in caplog.records if "part crashed" in r.getMessage()]
     assert delays == ["0.5", "0.5", "0.5"]

@@ -7,22 +7,18 @@ controller, its poller and its route socket are the real ones.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from app_helpers import FakeEngine, base_config  # noqa: E402
 from helpers import wait_for
 from services import free_port
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_app import FakeEngine, base_config  # noqa: E402
 
 
 class Pair:
@@ -69,21 +65,21 @@ async def _routes(app: ControllerApp, n: int) -> set[str | None]:
 async def test_an_engine_that_never_answered_gets_no_first_turns(pair: Pair) -> None:
     await pair.engines["a"].start()  # b never starts
     app = await pair.start_app(metrics_poll_s=0.2)
-    await wait_for(lambda: app.routable() == ["a"], 3.0, "a alive")
+    await wait_for(lambda: app.membership.routable_ids() == ["a"], 3.0, "a alive")
     assert await _routes(app, 12) == {"a"}
-    assert app._open.get("b") == "metrics_poll_failed"
+    assert app.membership.breaker("b") == "metrics_poll_failed"
 
 
 async def test_a_failed_poll_takes_the_engine_out_at_once_and_a_probe_brings_it_back(pair: Pair) -> None:
     for e in pair.engines.values():
         await e.start()
     app = await pair.start_app(metrics_poll_s=0.5, breaker_probe_s=0.1)
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 3.0, "both alive")
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 3.0, "both alive")
     app.index.gpu_stored("b", list(range(4)), None, list(range(2000, 2000 + 32 * 4)), 32)
     t0 = time.monotonic()
     await pair.engines["b"].stop()
     # Out at the next poll (<= one interval), not after instance_timeout_s (30 s here).
-    await wait_for(lambda: app.routable() == ["a"], 1.5, "b out")
+    await wait_for(lambda: app.membership.routable_ids() == ["a"], 1.5, "b out")
     out_s = time.monotonic() - t0
     assert out_s <= 1.0, out_s
     assert app.index.gpu_blocks_of("b") == 4 and app.index.stale_instances() == ["b"]
@@ -91,7 +87,7 @@ async def test_a_failed_poll_takes_the_engine_out_at_once_and_a_probe_brings_it_
     # Back: the half-open probe runs every 0.1-0.4 s while b is out, not once per interval.
     await pair.engines["b"].start()
     t1 = time.monotonic()
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 2.0, "b back")
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 2.0, "b back")
     assert time.monotonic() - t1 <= 1.0
     assert await _routes(app, 8) == {"a", "b"}
 
@@ -100,31 +96,31 @@ async def test_a_connect_error_from_the_gateway_takes_the_engine_out_before_any_
     for e in pair.engines.values():
         await e.start()
     app = await pair.start_app(metrics_poll_s=30.0, breaker_probe_s=0.1)
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 3.0, "both alive")
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 3.0, "both alive")
     await pair.engines["b"].stop()
     async with AsyncRouteClient(app.service.endpoint or "", timeout_s=3.0) as client:
         d = await client.route("x1", token_ids=[1] * 40, turn=0)
         other = "a" if d.instance_id == "b" else "b"
         await client.done("x1", instance_id="b", ok=False, error="connect")
-        assert app.routable() == ["a"]  # at once: the next poll is 30 s away
+        assert app.membership.routable_ids() == ["a"]  # at once: the next poll is 30 s away
         stats = await client.stats()
         assert stats["liveness"]["b"]["breaker_open"] == "gateway_connect_failed"
     assert other in ("a", "b")
     assert await _routes(app, 6) == {"a"}
     await pair.engines["b"].start()
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 2.0, "b back via probe")
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 2.0, "b back via probe")
 
 
 async def test_without_a_poller_a_reported_engine_is_half_open_after_the_cool_down(pair: Pair) -> None:
     app = await pair.start_app(metrics_poll_s=0, breaker_probe_s=0.2)
-    assert sorted(app.routable()) == ["a", "b"]  # no idle-time source of life: routable from start
-    app.engine_unreachable("b", "connect")
-    assert app.routable() == ["a"]
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 2.0, "b half-open")
-    app.engine_unreachable("b", "connect")  # fails again: the cool-down doubles
-    assert app.routable() == ["a"]
+    assert sorted(app.membership.routable_ids()) == ["a", "b"]  # no idle-time source of life: routable from start
+    app.membership.engine_unreachable("b", "connect")
+    assert app.membership.routable_ids() == ["a"]
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 2.0, "b half-open")
+    app.membership.engine_unreachable("b", "connect")  # fails again: the cool-down doubles
+    assert app.membership.routable_ids() == ["a"]
     await asyncio.sleep(0.25)
-    assert app.routable() == ["a"]
-    await wait_for(lambda: sorted(app.routable()) == ["a", "b"], 2.0, "b half-open again")
-    app.engine_unreachable("b", "cut")  # a cut stream is not a dead engine
-    assert sorted(app.routable()) == ["a", "b"]
+    assert app.membership.routable_ids() == ["a"]
+    await wait_for(lambda: sorted(app.membership.routable_ids()) == ["a", "b"], 2.0, "b half-open again")
+    app.membership.engine_unreachable("b", "cut")  # a cut stream is not a dead engine
+    assert sorted(app.membership.routable_ids()) == ["a", "b"]

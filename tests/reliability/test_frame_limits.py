@@ -4,18 +4,13 @@ beyond the cap the transport drops the connection."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import msgspec
 import zmq
+from service_helpers import PROMPT, ServiceThread, connect_dealer, make_core, route_req  # noqa: E402
 
 from smetric_lmc.config import LimitsConfig
 from smetric_lmc.controller.route_prep import prepare_frame
 from smetric_lmc.wire import ErrorReply, RouteDecision, StatsReply, decode_reply, encode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_service import PROMPT, ServiceThread, connect_dealer, make_core, route_req  # noqa: E402
 
 MIB = 1 << 20
 

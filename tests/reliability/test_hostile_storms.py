@@ -2,7 +2,7 @@
 
 A ``ControllerApp`` runs in-process with its route socket, its LMCache worker sockets and a KV
 event subscriber following a stand-in engine (a real XPUB and replay ROUTER on loopback). Each
-storm draws its messages from ``tests/hostile.py`` with a fixed seed, then checks that every
+storm draws its messages from ``bench/kit/hostile.py`` with a fixed seed, then checks that every
 request that reached a handler was answered, nothing crashed, and a valid request still works.
 The storms are small here (thousands of messages, seconds); ``bench/soak.py`` runs the large ones.
 """
@@ -15,12 +15,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import hostile
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 from helpers import wait_for
+from kit import hostile
 from services import free_port
 
 from smetric_lmc.client import AsyncRouteClient
@@ -90,7 +90,7 @@ async def stack() -> AsyncIterator[tuple[ControllerApp, StandInEngine]]:
 
 def alive(app: ControllerApp) -> None:
     """Every part still running and no handler raised."""
-    for task in app._tasks:
+    for task in app.supervisor.tasks:
         assert not task.done(), f"part {task.get_name()} ended"
     assert app.core.counters["internal_errors"] == 0
     if app.lmcache_server is not None:

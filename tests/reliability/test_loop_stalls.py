@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from lmcache_helpers import RecordingSink
+from service_helpers import BS, PROMPT, ROOT, make_core, seed  # noqa: E402
 
 from smetric_lmc.controller.route_prep import FramePrep
 from smetric_lmc.controller.service import RouteService
+from smetric_lmc.controller.tasks import LoopBudget
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.wire import ErrorReply, RouteDecision, RouteRequest, decode_reply
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_controller_service import BS, PROMPT, ROOT, make_core, seed  # noqa: E402
 
 _enc = msgspec.msgpack.encode
 
@@ -132,9 +129,7 @@ async def test_a_wake_up_yields_after_its_payload_budget() -> None:
     # in one go and a task on the same loop never ran in between.
     core = make_core()
     svc = RouteService(core, "tcp://127.0.0.1:*")
-    svc.DRAIN_MAX = 10**9  # type: ignore[misc]
-    svc.DRAIN_S = 3600.0  # type: ignore[misc]
-    svc.DRAIN_BYTES = 300_000  # type: ignore[misc]
+    svc.DRAIN_BUDGET = LoopBudget(items=10**9, nbytes=300_000, seconds=3600.0)  # type: ignore[misc]
     svc.bind()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -236,15 +231,12 @@ async def test_the_controller_freezes_its_start_up_objects_out_of_the_gc() -> No
 async def test_lmcache_pull_yields_after_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # Only the byte budget can make the PULL loop yield here; before it, 40 queued ~100 KB
     # messages were all applied before any other task on the loop ran.
-    from test_bounds import _Sink  # type: ignore[import-not-found]
 
     from smetric_lmc.controller import lmcache_server as L
     from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
 
-    monkeypatch.setattr(L, "YIELD_EVERY", 10**9)
-    monkeypatch.setattr(L, "YIELD_S", 3600.0)
-    monkeypatch.setattr(L, "YIELD_BYTES", 300_000)
-    server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
+    monkeypatch.setattr(L, "LOOP_BUDGET", LoopBudget(items=10**9, nbytes=300_000, seconds=3600.0))
+    server = LMCacheWorkerServer(RecordingSink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
                                  full_sync_on_start=False)  # type: ignore[arg-type]
     await server.start()
     ctx = zmq.Context()
@@ -318,13 +310,14 @@ def test_the_frame_worker_dies_with_a_killed_controller() -> None:
 async def test_a_large_lmcache_batch_is_applied_a_slice_at_a_time() -> None:
     # 3 slices and a bit in one BatchedKVOperationMsg: other tasks run between the slices, and
     # every operation lands, in order (the evictions at the end undo the first admits).
-    from test_bounds import _Sink  # type: ignore[import-not-found]
 
     from smetric_lmc.controller import lmcache_proto as P
-    from smetric_lmc.controller.lmcache_server import OPS_SLICE, LMCacheWorkerServer
+    from smetric_lmc.controller.lmcache_kvops import OPS_SLICE
+    from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
 
-    server = LMCacheWorkerServer(_Sink(), pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
-                                 resolve_instance=lambda lmc, _w: lmc, full_sync_on_start=False)  # type: ignore[arg-type]
+    sink = RecordingSink()
+    server = LMCacheWorkerServer(sink, pull_url="tcp://127.0.0.1:*", reply_url="tcp://127.0.0.1:*",
+                                 resolve_instance=lambda lmc, _w: lmc, full_sync_on_start=False)
     await server.start()
     n = 3 * OPS_SLICE + 5
     ops = [P.KVOpEvent(op_type="admit", key=k + 1, seq_num=k) for k in range(n)]
@@ -342,13 +335,12 @@ async def test_a_large_lmcache_batch_is_applied_a_slice_at_a_time() -> None:
     p = asyncio.create_task(probe())
     try:
         push.send(P.encode(P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=0, location="L", operations=ops)))
-        sink: _Sink = server._sink  # type: ignore[assignment]
         for _ in range(500):
             if server.stats["kv_ops"] == len(ops):
                 break
             await asyncio.sleep(0.01)
         assert server.stats["kv_ops"] == len(ops) and server.stats["seq_gaps"] == 0
-        assert sink.chunks["inst-a"] == set(range(11, n + 1))
+        assert sink.held()["inst-a"] == set(range(11, n + 1))
         assert {OPS_SLICE, 2 * OPS_SLICE, 3 * OPS_SLICE} <= set(seen)  # the loop ran between slices
     finally:
         p.cancel()

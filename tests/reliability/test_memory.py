@@ -143,7 +143,7 @@ def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
 @pytest.mark.skipif(memory._libc() is None, reason="glibc: the trimmer records nothing without it")
 def test_trimmer_keeps_its_spans_without_an_object_per_call() -> None:
     """A (start, end) tuple per call, kept for an hour, landed in pools a request burst had just
-    freed and kept their pymalloc arenas resident (bench/arena_census.py): spans live in an array."""
+    freed and kept their pymalloc arenas resident (bench/kit/arena_census.py): spans live in an array."""
     import tracemalloc
 
     tr = memory.Trimmer(min_free=1 << 40, keep=64)

@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import zmq.asyncio
+from app_helpers import RecordedEngine, base_config  # noqa: E402
 from helpers import wait_for
-from index_content import same_content
+from kit.index_content import same_content
 from services import fixture_path
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
 from smetric_lmc.controller.app import ControllerApp
-from smetric_lmc.controller.vllm_events import apply_batch, decode_payload
+from smetric_lmc.controller.vllm_plan import apply_batch
+from smetric_lmc.controller.vllm_wire import decode_payload
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as S
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_controller_app import RecordedEngine, base_config  # noqa: E402
 
 
 def _config(engine: RecordedEngine, path: Path) -> dict:
@@ -70,7 +68,7 @@ async def test_restart_reloads_the_snapshot_and_replays_what_it_missed(tmp_path:
             assert second.core.catching_up  # restoring in the background: routes go by load
             sub = second.subscribers["a"]
             await wait_for(lambda: sub.caught_up.is_set() and not second.core.catching_up, what="catch-up")
-            assert second.snapshot_stats["restored_blocks"] > 0
+            assert second.snapshots.stats["restored_blocks"] > 0
             assert engine.replay_requests == [6]  # from the batch after the snapshot's, not from 0
             assert sub.stats.last_seq == last and sub.stats.gaps == 0
             assert same_content(second.index, _truth(engine.frames, last), ["a"]) == []
@@ -137,7 +135,7 @@ async def test_routes_are_answered_while_a_large_snapshot_is_restored(tmp_path: 
             answered = time.monotonic() - t0
             assert app.core.catching_up and d.index_ready is False and d.instance_id in ("i0", "i1")
             await wait_for(lambda: not app.core.catching_up, 30.0, "restore")
-            assert answered < app.snapshot_stats["restore_s"]
+            assert answered < app.snapshots.stats["restore_s"]
             assert same_content(app.index, idx) == []
     finally:
         await app.close()

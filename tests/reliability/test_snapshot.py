@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from index_content import same_content
+from kit.index_content import same_content
 
 from smetric_lmc.hashing import fast_chain
 from smetric_lmc.index import TierIndex

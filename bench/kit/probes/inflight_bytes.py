@@ -1,6 +1,6 @@
 """Memory per in-flight request: what the load tracker and the index's pending prompts keep.
 
-    python bench/inflight_bytes.py [--n 100000]
+    python bench/controller.py --probe inflight_bytes [--n 100000]
 
 Python heap bytes (tracemalloc) per entry for: a request in flight in ``LoadTracker`` (its
 request id string included), a route already reported done within ``expire_s`` (its age cohort
@@ -84,10 +84,10 @@ def retained_mb(n: int, survivors: bool, pymalloc: bool = True) -> float:
     return round(float(out.stdout.strip()), 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=100_000)
-    n = p.parse_args().n
+    n = p.parse_args(argv).n
     rng = random.Random(1)
     chains = [[rng.getrandbits(64) for _ in range(16)] for _ in range(n)]
 

@@ -1,7 +1,7 @@
 """How long each index call the controller makes on its event loop takes at 10 M indexed blocks.
 
-    python bench/index_stalls.py                    # 10 M blocks over 64 instances
-    python bench/index_stalls.py --blocks 1000000   # a quicker run
+    python bench/controller.py --probe index_stalls                    # 10 M blocks over 64 instances
+    python bench/controller.py --probe index_stalls --blocks 1000000   # a quicker run
 
 The controller runs on one event loop, so any single call lasting longer than the stall target
 (50 ms) freezes routing and event ingest for everyone. This builds a ``TierIndex`` holding
@@ -74,14 +74,14 @@ def timed(name: str, fn: Callable[[], Any], out: dict[str, float], repeat: int =
     out[name] = round(worst * 1000, 2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=10_000_000)
     p.add_argument("--instances", type=int, default=64)
     p.add_argument("--big-share", type=float, default=0.1, help="share of all blocks on the largest instance")
     p.add_argument("--session-blocks", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     t0 = time.perf_counter()
     ix = build(args.blocks, args.instances, args.big_share, args.session_blocks, args.seed)
     build_s = time.perf_counter() - t0

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from smetric_lmc.controller.vllm_events import GpuBlockSink, apply_batch, decode_payload
+from smetric_lmc.controller.vllm_plan import GpuBlockSink, apply_batch
+from smetric_lmc.controller.vllm_wire import decode_payload
 
 
 def synthetic_payloads(n_events: int, seed: int = 0) -> tuple[list[bytes], int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / ".ci" / "engine-venv.sh"
 STAMP = ".smetric-extras-stamp"  # written by engine-venv.sh once lmcache is installed
 

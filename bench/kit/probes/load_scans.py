@@ -1,7 +1,7 @@
 """LoadTracker work per engine /metrics poll with many requests in flight (lost done reports).
 
-    python bench/load_scans.py                       # 400,000 in flight over 8 instances
-    python bench/load_scans.py --in-flight 100000
+    python bench/controller.py --probe load_scans                       # 400,000 in flight over 8 instances
+    python bench/controller.py --probe load_scans --in-flight 100000
 
 Each poll calls ``reconcile`` per instance on the event loop, in slices of ``RECONCILE_SLICE``
 entries (the poller yields to the loop between them: controller/engine_metrics.py). Times: the
@@ -21,11 +21,11 @@ from smetric_lmc.controller.engine_metrics import RECONCILE_SLICE
 from smetric_lmc.load import LoadTracker
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--in-flight", type=int, default=400_000)
     p.add_argument("--instances", type=int, default=8)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     now = [0.0]
     lt = LoadTracker(clock=lambda: now[0], expire_s=30.0)
     for k in range(args.in_flight):

@@ -1,7 +1,7 @@
 """What a full cyclic-GC collection walks in a busy controller's long-lived state, and its time.
 
-    python bench/gc_pauses.py                      # 120,000 routed prompts pending, as many in flight
-    python bench/gc_pauses.py --prompts 30000
+    python bench/controller.py --probe gc_pauses                      # 120,000 routed prompts pending, as many in flight
+    python bench/controller.py --probe gc_pauses --prompts 30000
 
 A controller routing thousands of prompts a second keeps, for ``pending_ttl_s`` (30 s), one
 pending entry per routed prompt in the index (``index/side.py`` ``Pending``) and one in-flight
@@ -25,12 +25,12 @@ from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=120_000)
     p.add_argument("--instances", type=int, default=8)
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after building, as the controller's start")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     gc.collect()
     base = len(gc.get_objects())
     ix = TierIndex(16, 256)
