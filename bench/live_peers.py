@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -102,11 +103,14 @@ class Mode:
     tune: bool
     latency_requests: int  # 0: no added-latency phase
     fresh_per_load: bool = True  # False (CI): one cluster + router per configuration, loads in a row
+    weka_sessions: int = 4  # WEKA sessions run ~60 turns each (Trace-1's ~6): fewer roots
+    max_output: int | None = None  # cap on every answer (None: the scaled recorded length)
 
 
 MODES = {
     "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 6.0), 20, 0.05, True, 300, fresh_per_load=False),
-    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False),
+    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False,
+                  weka_sessions=2),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
@@ -130,9 +134,10 @@ def _cpu_s(pids: Sequence[int]) -> float:
     return total
 
 
-def _steal() -> float:
+def _cpu_ticks() -> tuple[float, float]:
+    """The machine's (steal, total) CPU ticks so far (``/proc/stat``)."""
     f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return float(f[7]) / max(1.0, sum(float(x) for x in f))
+    return float(f[7]), sum(float(x) for x in f)
 
 
 class Router:
@@ -308,16 +313,19 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
 def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_name: str, wl: Workload,
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
-    cpu0, steal0, t0 = router.cpu_s(), _steal(), time.monotonic()
-    cfg = ReplayConfig(url=router.url, rate=rate, sessions=mode.sessions, context_scale=mode.context_scale,
-                       output_scale=mode.context_scale, time_scale=0.05, max_think_s=60.0,
+    cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
+    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions
+    cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
+                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=0.05,
+                       max_think_s=60.0,
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
                        tokens=TokenSpace(128, 16), text_prompts=True)
     records = replay(wl, cfg)
     wall = time.monotonic() - t0
     cpu = router.cpu_s() - cpu0
-    steal = _steal() - steal0
+    ticks = _cpu_ticks()
+    steal = (ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])  # the machine's steal share in the run
     res = summarize_records(records, load_sim_config(None), conf.name).summary
     after = engine_stats(infos)
     counters = summarize_counters(router_counters(router.metrics_url, conf.family))
@@ -443,7 +451,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("offered load (root sessions / s)")
         ax.set_ylabel("TPS within SLO (tokens / s)")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -457,14 +465,31 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quick", action="store_true", help="8 instances, 2 loads, defaults only (<= 8 min)")
     g.add_argument("--ci", action="store_true", help="the CI smoke: Trace-1 only, short runs")
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
+    ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
+    ap.add_argument("--no-latency", action="store_true", help="skip the added-latency phase")
+    ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
+    ap.add_argument("--workloads", help="comma-separated subset of the mode's workloads (trace1, weka)")
+    ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
     ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
     ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
     args = ap.parse_args(argv)
+    # A stopped bench stops what it started: SIGTERM unwinds through the finally blocks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mode = MODES["quick" if args.quick else "ci" if args.ci else "full"]
     if args.instances:
         mode.instances = args.instances
+    if args.workloads:
+        mode.workloads = tuple(w for w in mode.workloads if w in args.workloads.split(","))
+        if not mode.workloads:
+            print(f"live_peers: no workload of this mode matches {args.workloads!r}", file=sys.stderr)
+            return 2
+    if args.sessions:
+        mode.sessions = mode.weka_sessions = args.sessions
+    if args.no_latency:
+        mode.latency_requests = 0
+    mode.max_output = args.max_output
     if args.loads:
         try:
             mode.loads = tuple(float(x) for x in args.loads.split(","))
@@ -482,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
         else [(c, w, mode.loads) for w in mode.workloads for c in confs]
+    if args.latency_only:
+        groups = []
     n_runs = sum(len(r) for _, _, r in groups)
     total = n_runs + (len([c for c in confs if not c.tuned]) if mode.latency_requests else 0)
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "

@@ -86,3 +86,14 @@ def test_the_endpoints_peers_discover_and_tokenize_with() -> None:
                     assert (await r.json())["model_path"] == "tiny"
 
     asyncio.run(main())
+
+
+def test_text_prompts_need_ascii_token_ids() -> None:
+    """The replay's text prompts (for SGLang's router) are the token ids as characters: only ids
+    below 128 survive the mock's byte tokenizer unchanged."""
+    from smetric_lmc.replay.prompts import TokenSpace
+    from smetric_lmc.replay.runner import ReplayConfig
+
+    ReplayConfig(url="http://x", tokens=TokenSpace(128, 16), text_prompts=True)
+    with pytest.raises(ValueError, match="below 128"):
+        ReplayConfig(url="http://x", text_prompts=True)
