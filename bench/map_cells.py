@@ -2,7 +2,7 @@
 mean ± standard deviation of the paired per-seed ratios (the same arrivals for every policy).
 
     python bench/map_cells.py none@0.3,0.4@0.3,full@0.3 --seeds 0,1,2 --jobs 1
-    python bench/map_cells.py none@0.05 --seeds 5,6 --set ect_queue_no_global=1   # a held-out pair
+    python bench/map_cells.py none@0.05 --seeds 5,6 --set queue_no_global=0   # a held-out pair
 
 Each cell runs as the full report's map does (`smetric sim report`: instances, window, loads per
 knee, bracketing, sessions per cell), unless an option says otherwise; ``--set`` changes one of the
@@ -40,14 +40,15 @@ def main() -> None:
     ap.add_argument("--min-sessions", type=int, default=FULL.map.min_sessions,
                     help="stretch each cell's window to this many root sessions")  # fmt: skip
     ap.add_argument("--variant", default=FULL.map.variant)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a variant parameter")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a variant parameter (policy.params)")
     ap.add_argument("--extra", default="", help="comma list of policies run beside (not baselines)")
     ap.add_argument("--jobs", type=int, default=1)
     a = ap.parse_args()
     cells = [(t, float(x)) for t, x in (c.split("@") for c in a.cells.split(","))]
     extra = tuple(p for p in a.extra.split(",") if p)
     kw = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
-    vpol = PolicyConfig(name=a.variant, **kw) if a.variant else None  # type: ignore[arg-type]
+    # the variant's parameters live under policy.params (smetric_ect: ECTParams)
+    vpol = PolicyConfig(name=a.variant, params=kw) if a.variant else None  # type: ignore[arg-type]
     out: dict[str, dict[str, list[float]]] = {}
     for x in sorted({x for _, x in cells}):
         spec = dataclasses.replace(

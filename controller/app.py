@@ -38,6 +38,8 @@ from .memory import Trimmer, tune_malloc
 from .metrics import ControllerMetrics, MetricsServer, StateCollector
 from .peer_apis import PeerApis, start_peer_apis
 from .persistence import IndexSnapshots
+from .prices import PriceCollector
+from .prices import make_feed as make_price_feed
 from .reload import PolicyReload
 from .replicas import LoadShare
 from .service import RouteCore, RouteService
@@ -65,6 +67,7 @@ class ControllerApp:
         self.trimmer = Trimmer()  # periodic, gated malloc_trim (controller/memory.py)
         self.disaggregated = cfg.pd_mode == "disaggregated"
         self.router = Router(self.index, self.load, cfg.policy, disaggregated=self.disaggregated)
+        self.router.prices = make_price_feed(cfg.policy)  # learns each instance's prices from done reports
         self.reloader = PolicyReload(cfg, self.config_path, self.router, reload_poll_s)
         self.membership = Membership(
             cfg.instances, self.index, self.load,
@@ -75,6 +78,7 @@ class ControllerApp:
         )
         self.sink = IngestSink(self.index, self.membership)
         self.metrics = ControllerMetrics()
+        self.metrics.add_collector(PriceCollector(self.router.prices))
         self.core = RouteCore(
             self.index, self.load, self.router, cfg.instances, self.hashing,
             disaggregated=self.disaggregated,

@@ -122,6 +122,7 @@ class RouteCore:
         self.load = load
         self.router = router
         self.fallback = Router(index, load, PolicyConfig(name="load_balance"), disaggregated=disaggregated)
+        self.fallback.prices = router.prices  # its routes' done reports teach the same estimator
         self.hashing = hashing
         self.metrics = metrics
         self.disaggregated = disaggregated
@@ -307,6 +308,11 @@ class RouteCore:
         self.counters["done"] += 1
         check_request_id(req.request_id)
         released = self.load.on_done(req.request_id)
+        feed = self.router.prices
+        if feed is not None:  # what the request cost teaches the price estimator (smetric_lmc.prices)
+            feed.on_done(req.request_id, ok=req.ok, ttft_s=req.ttft_s, e2e_s=req.e2e_s,
+                         output_tokens=req.output_tokens, cached_tokens=req.cached_tokens,
+                         prompt_tokens=req.prompt_tokens)
         if self.on_done_report is not None:
             self.on_done_report(req.request_id)
         if req.error is not None and req.instance_id is not None and self._on_engine_error is not None:
@@ -354,6 +360,8 @@ class RouteCore:
             "load": dict(self.load.stats),
             "in_flight": len(self.load),
         }
+        if self.router.prices is not None:
+            out["prices"] = self.router.prices.snapshot()
         if self._stats_fn is not None:
             out.update(self._stats_fn())
         return out

@@ -9,6 +9,7 @@ config, the simulator config and the hardware profiles are all read through :fun
 from __future__ import annotations
 
 import logging
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -22,7 +23,7 @@ except ImportError:  # Python 3.10
     from importlib.abc import Traversable
 
 from smetric_lmc.policy import POLICY_NAMES as POLICY_NAMES  # re-exported: the CLI and simulator read it here
-from smetric_lmc.policy import policy_names
+from smetric_lmc.policy import make_policy, policy_names
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +38,20 @@ class PolicyConfig(_Cfg):
     hit_ratio: float = 0.5  # SMetric HIT_RATIO
     bailian_lambda: float = 0.9  # weight of the miss term in the bailian linear score
     lmetric_load_offset: float = 1.0  # (L - c) * (l + offset): idle instances do not all tie at 0
-    # smetric_cost (our variant; hit_ratio above labels its moves): share of a computed token's cost
-    # that fetching it from the global tier saves
-    cost_fetch_discount: float = 0.9
-    # smetric_ect (expected completion cost, µs): prefill per token = ect_prefill_us + ect_prefill_us_per_ktok
-    # x context/1000; a fetched token; one in-flight request's drag (smetric_ect.py says where they come from)
-    ect_prefill_us: float = 110.0
-    ect_prefill_us_per_ktok: float = 8.8
-    ect_fetch_us: float = 4.0
-    ect_inflight_us: float = 5_000_000.0
-    ect_displace: float = 0.0  # share of the KV a move evicts on its target that is reused later
-    ect_slack_s: float = 1.0  # queued prefill waited for free: ect_slack_s + ect_slack_s_per_tok x prompt
-    ect_slack_s_per_tok: float = 1.0e-4
-    # weight of the in-flight drag and of the queue term when the global tier holds none of the prefix
-    # (0: the cost is then LMetric's score x the prefill cost per token)
-    ect_drag_no_global: float = 0.0
-    ect_queue_no_global: float = 0.0
+    # The experimental policy's parameters (smetric_ect: ECTParams in smetric_lmc/policy/smetric_ect.py
+    # documents each); empty: its defaults (cold-start prices, SLO-derived slack)
+    params: dict[str, float] = {}
+    # Deprecated spellings (moved under `params`; accepted with a warning): ect_* -> params.*
+    cost_fetch_discount: float | None = None  # smetric_cost was removed: ignored
+    ect_prefill_us: float | None = None
+    ect_prefill_us_per_ktok: float | None = None
+    ect_fetch_us: float | None = None
+    ect_inflight_us: float | None = None
+    ect_displace: float | None = None
+    ect_slack_s: float | None = None
+    ect_slack_s_per_tok: float | None = None
+    ect_drag_no_global: float | None = None
+    ect_queue_no_global: float | None = None
 
     def __post_init__(self) -> None:
         names = policy_names()  # every registered policy, including ones registered after import
@@ -64,13 +63,44 @@ class PolicyConfig(_Cfg):
             raise ValueError("hit_ratio must be within [0, 1]")
         if not 0 <= self.bailian_lambda <= 1:
             raise ValueError("bailian_lambda must be within [0, 1]")
-        if not 0 <= self.cost_fetch_discount <= 1:
-            raise ValueError("cost_fetch_discount must be within [0, 1]")
-        for k in ("ect_prefill_us", "ect_prefill_us_per_ktok", "ect_fetch_us", "ect_inflight_us", "ect_displace",
-                  "ect_slack_s", "ect_slack_s_per_tok", "ect_drag_no_global", "ect_queue_no_global"):
-            if not getattr(self, k) >= 0:
-                raise ValueError(f"{k} must be >= 0")
+        if self.params and not self.name.startswith("smetric_ect"):
+            raise ValueError(f"params: policy {self.name!r} takes none (only smetric_ect does)")
+        self._move_deprecated()
+        make_policy(self)  # checks the params (unknown keys, negative values)
 
+    def _move_deprecated(self) -> None:
+        """Old top-level ``ect_*`` keys -> ``params`` (an explicit ``params`` entry wins)."""
+        moved: dict[str, float] = {}
+        for old, new in _ECT_RENAMED.items():
+            v = getattr(self, old)
+            if v is None:
+                continue
+            setattr(self, old, None)
+            if not v >= 0:
+                raise ValueError(f"{old} must be >= 0")
+            # the old slack was half the TTFT SLO outright; the new one is slack_share (1/2) x the SLO
+            moved[new] = 2.0 * v if new.startswith("slo_") else v
+            _warn_deprecated(f"policy.{old}", f"policy.params.{new}")
+        if self.cost_fetch_discount is not None:
+            self.cost_fetch_discount = None
+            _warn_deprecated("policy.cost_fetch_discount", None)
+        if moved:
+            self.params = {**moved, **self.params}
+
+
+_ECT_RENAMED = {
+    "ect_prefill_us": "prefill_us", "ect_prefill_us_per_ktok": "prefill_us_per_ktok", "ect_fetch_us": "fetch_us",
+    "ect_inflight_us": "inflight_us", "ect_displace": "displace", "ect_slack_s": "slo_ttft_s",
+    "ect_slack_s_per_tok": "slo_ttft_s_per_tok", "ect_drag_no_global": "drag_no_global",
+    "ect_queue_no_global": "queue_no_global",
+}  # fmt: skip
+
+
+def _warn_deprecated(old: str, new: str | None) -> None:
+    what = f"use {new}" if new else "it has no effect (smetric_cost was removed)"
+    msg = f"{old} is deprecated: {what}"
+    warnings.warn(msg, DeprecationWarning, stacklevel=4)
+    logging.getLogger(__name__).warning("config: %s", msg)
 
 class InstanceConfig(_Cfg):
     id: str

@@ -19,6 +19,7 @@ from smetric_lmc.index import Lookup, TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.policy import ClusterView, Policy, make_policy
 from smetric_lmc.policy.view import DenseHits, DenseLoads, Hits, Loads
+from smetric_lmc.prices import PriceFeed
 from smetric_lmc.wire import RouteDecision, TurnSource
 
 
@@ -35,7 +36,14 @@ class Router:
         self.load = load
         self.disaggregated = disaggregated
         self._rr = 0
+        # learns each instance's prices from done reports (the owner feeds it: controller, simulator);
+        # a policy that declares needs={"prices"} decides with them
+        self.prices: PriceFeed | None = None
         self.set_policy(policy or PolicyConfig())
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
 
     def set_policy(self, cfg: PolicyConfig) -> None:
         self.policy_cfg = cfg
@@ -93,8 +101,10 @@ class Router:
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         infl = [float(self.load.in_flight(i)) for i in ids] if "in_flight" in policy.needs else None
+        feed = self.prices
+        book = feed.book if feed is not None and "prices" in policy.needs else None
         view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl, self._rr,
-                           hits=hits, loads=loads)
+                           hits=hits, loads=loads, prices=[book.prices(i) for i in ids] if book is not None else None)
         self._rr += 1
         c = policy(view)
         best = view.best_hit()[0]
@@ -104,6 +114,10 @@ class Router:
         chosen = ids[c.index]
         hit = hits.at(c.index)
         load = loads.at(c.index)
+        if feed is not None:
+            # the queue it joins, read before on_route adds this request to it
+            feed.on_routed(request_id, chosen, prompt_tokens, hit, found.global_hit_tokens,
+                           float(self.load.unprefilled(chosen)), float(self.load.in_flight(chosen)))
         self.load.on_route(request_id, chosen, prompt_tokens, max(hit, found.global_hit_tokens))
         return RouteDecision(request_id, chosen, None, c.reason, policy.name, hit, found.global_hit_tokens,
                              est, turn, prompt_tokens, load, best, source)

@@ -267,10 +267,10 @@ def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.C
 
 def test_sim_cli_runs_the_trace1_preset(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["--preset", "trace1", "--scale", "0.1", "--sessions", "6", "--instances", "2",
-                   "--policies", "smetric,smetric_cost"])  # fmt: skip
+                   "--policies", "smetric,smetric_ect"])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
-    assert "workload trace1-s0" in out and "| smetric_cost |" in out
+    assert "workload trace1-s0" in out and "| smetric_ect |" in out
 
 
 def test_no_drain_leaves_the_measured_window_unchanged() -> None:

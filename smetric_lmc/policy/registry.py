@@ -16,7 +16,7 @@ PolicyConfig = Any
 
 PolicyFn = Callable[[ClusterView], Choice]
 #: Optional view fields a policy may ask for; the router fills only what the active policy needs.
-Need = Literal["unprefilled", "in_flight"]
+Need = Literal["unprefilled", "in_flight", "prices"]
 
 
 @dataclass(frozen=True, slots=True)

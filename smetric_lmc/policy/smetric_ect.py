@@ -1,6 +1,5 @@
 """``smetric_ect``: route each request to the instance where serving it costs the cluster least in
-expected time, all costs included (our variant; ``smetric`` stays the paper's rule, ``smetric_cost``
-is the earlier fetch-vs-queue variant).
+expected time, all costs included (our variant; ``smetric`` stays the paper's rule).
 
 What the decision traces showed about the earlier variant (docs/results.md): ``smetric_cost`` prices
 the queue by request count alone and a fetched token at 10% of a computed one, so it cannot tell a
@@ -29,17 +28,23 @@ Half weights (queue 0.5) gave 0.98-1.02x LMetric on that row; the queue without 
 the drag without the queue 0.90-1.01x (seeds 0, 1; the full cost was 0.92-0.97x). Where the global
 tier holds the prefix, a move only fetches, and the full cost applies as before.
 
-The cost of the request on instance i, in µs:
+The cost of the request on instance i, in µs, priced with what instance i's requests were measured
+to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices``; the params'
+prices are the cold-start prior and stand in where a view carries none):
 
-    cost[i] = w_q * max(0, t_tok * unprefilled[i] - slack)            prefill queued ahead of it, past the slack
-            + (t_tok * (L - max(c[i], g)) + t_fetch * max(0, g - c[i]))   its own compute and fetch ...
-              * (1 + load[i])                                         ... which stall the whole batch
-            + w_d * t_flight * load[i]                                drag of the in-flight requests
-            + displace * t_evict * (L - c[i])                         KV it evicts there (off by default)
-    t_tok   = prefill_us + prefill_us_per_ktok * L / 1000             (attention: long contexts dearer)
-    slack   = slack_s + slack_s_per_tok * L                           (half the TTFT SLO a + b L)
-    t_evict = fetch_us with the prefix in the global tier, else t_tok
-    w_q, w_d = 1 with the prefix (g > 0) in the global tier, else queue_no_global, drag_no_global (0, 0)
+    cost[i] = w_q * max(0, t_queue[i] * unprefilled[i] - slack)     prefill queued ahead of it, past the slack
+            + (t_tok[i] * (L - max(c[i], g)) + fetch[i](max(0, g - c[i])))   its own compute and fetch ...
+              * (1 + load[i])                                    ... which stall the whole batch
+            + w_d * drag[i] * load[i]                            what it and the in-flight requests cost each other
+            + displace * t_evict * (L - c[i])                    KV it evicts there (off by default)
+    t_tok[i]   = prefill_us + prefill_us_per_ktok * L / 1000     learned (attention: long contexts dearer)
+    fetch[i]   = fetch_global_us * n + fetch_global_fixed_us     learned retrieve price from the global tier
+    t_queue[i] = learned µs of TTFT per queued prefill token ahead
+    drag[i]    = inflight_us + mean_output * decode_us_per_req   learned: one more in-flight request's
+                                                                 slowdown of a prefill and of a mean answer's decode
+    slack      = slack_share * (slo_ttft_s + slo_ttft_s_per_tok * L)   a share of the request's TTFT SLO
+    t_evict    = the fetch price with the prefix in the global tier, else t_tok
+    w_q, w_d   = 1 with the prefix in the global tier (g > 0), else queue_no_global, drag_no_global (1, 1)
 
 The displacement term prices the other sessions' KV a move evicts on its target; it helped at x =
 0.02 (+6%) and hurt at x = 0.5 (-13%, both without a global tier, two seeds), so it ships off.
@@ -52,63 +57,104 @@ balancing when fetches are cheap (every instance computes the same few new token
 decide) and to cache affinity when they are not (a move costs the context). A session's first
 request is priced the same way: a shared system prompt found locally counts as a hit.
 
-The constants are policy parameters (YAML). The prefill and fetch defaults are read off the
-`qwen3-30b-a3b-h20` profile (prefill iteration time at 4 k, 45 k and 120 k tokens of context; KV
-bytes per token over the node's NIC). ``inflight_us`` has no clean profile reading: 5 s was the
-best of 0.8, 5, 15 and 40 s on eight cells of the trace1 regime map (8 instances, 3 seeds) and is
-therefore tuned on the workload it is evaluated on.
+Every remaining parameter has a physical meaning and none is tuned on the workload the variant is
+judged on: the TTFT SLO (the user's; defaults are the simulator's), the share of it a request may
+queue for free (half: the other half is its own prefill), and the no-global weights, 1 (the cost as
+defined). The earlier hand-set in-flight drag (5 s per request, the best of four values on the
+regime map it was then judged on) and no-global weights of 0 (chosen on that map's seeds) are gone;
+all are settable under ``policy.params``. ``smetric_cost``, the earlier variant, was removed: the
+traces above showed why it lost, and this cost supersedes it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
-from smetric_lmc.policy.registry import register
+from smetric_lmc.policy.registry import PolicyConfig, register
 from smetric_lmc.policy.view import NO_INSTANCE, Choice, ClusterView, rr_argmin
 from smetric_lmc.wire import Reason
 
 
 @dataclass(frozen=True, slots=True)
 class ECTParams:
-    prefill_us: float = 110.0  # µs per prefilled token at an empty context
-    prefill_us_per_ktok: float = 8.8  # + µs per token per 1,000 tokens of the request's context
-    fetch_us: float = 4.0  # µs per token fetched from the global tier
-    inflight_us: float = 5_000_000.0  # µs of completion cost one in-flight request adds
+    # cold-start prices (µs), read off the `qwen3-30b-a3b-h20` profile; learned prices replace them
+    prefill_us: float = 110.0  # per prefilled token at an empty context
+    prefill_us_per_ktok: float = 8.8  # + per token per 1,000 tokens of the request's context
+    fetch_us: float = 4.0  # per token fetched from the global tier (98 KiB over a 25 GB/s NIC)
+    fetch_fixed_us: float = 2_000.0  # per request that fetches (lookup, first chunk): a guess
+    queue_us_per_tok: float = 150.0  # TTFT per queued prefill token ahead (~ t_tok at 4 k context)
+    inflight_us: float = 1_000.0  # a prefill's slowdown per batched in-flight request: a guess
+    decode_us_per_req: float = 200.0  # a decode step's slowdown per batched request: a guess
+    mean_output: float = 300.0  # output tokens of a mean answer until done reports say (a guess)
     hit_ratio: float = 0.5  # labels a move EVICTED when the best hit < hit_ratio x est_hit (as SMetric)
     displace: float = 0.0  # share of the KV a move displaces on its target that is reused later
-    # queued prefill a request may wait behind for free: half the TTFT SLO's budget (a + b x L s; the
-    # other half is its own prefill's); 0, 0: every queued token counts
-    slack_s: float = 1.0
-    slack_s_per_tok: float = 1.0e-4
-    drag_no_global: float = 0.0  # weight of the in-flight drag when the global tier holds none of the prefix
-    queue_no_global: float = 0.0  # and of the queue term (both 0: LMetric's score x t_tok)
+    # the TTFT SLO (a + b x L s) and the share of it a request may wait behind queued prefill for free
+    slo_ttft_s: float = 2.0
+    slo_ttft_s_per_tok: float = 2.0e-4
+    slack_share: float = 0.5
+    drag_no_global: float = 1.0  # weight of the drag when the global tier holds none of the prefix
+    queue_no_global: float = 1.0  # and of the queue term
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, float], hit_ratio: float = 0.5) -> ECTParams:
+        """``policy.params`` -> parameters; unknown keys and negative values are errors."""
+        names = {f.name for f in fields(cls)} - {"hit_ratio"}  # policy.hit_ratio sets that one
+        bad = sorted(set(params) - names)
+        if bad:
+            raise ValueError(f"params: unknown smetric_ect parameter(s) {', '.join(bad)}; "
+                             f"expected some of {', '.join(sorted(names))}")
+        for k, v in params.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"params.{k} must be a number >= 0")
+        return cls(**{"hit_ratio": hit_ratio, **{k: float(v) for k, v in params.items()}})
+
+    def prior_prices(self) -> dict[str, float]:
+        """The cold-start prices under the estimator's names (smetric_lmc.prices.PRICE_NAMES)."""
+        return {"prefill_us": self.prefill_us, "prefill_us_per_ktok": self.prefill_us_per_ktok,
+                "fetch_global_us": self.fetch_us, "fetch_global_fixed_us": self.fetch_fixed_us,
+                "queue_us_per_tok": self.queue_us_per_tok, "inflight_us": self.inflight_us,
+                "decode_us_per_req": self.decode_us_per_req}
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:
     """cost[i] in µs: the request's expected completion cost on instance i."""
     L, g = view.prompt_tokens, view.global_hit
-    t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
+    c = view.local_hit
     # a view built by hand may lack the queues
-    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(view.load)
+    queued = view.unprefilled if view.unprefilled is not None else [0.0] * len(c)
     # request counts even under PD, where `load` counts unprefilled tokens
     flight = view.in_flight if view.in_flight is not None else view.load
-    # the KV brought to instance i evicts as much of other sessions' KV (a loaded GPU cache is full);
-    # serving that again costs a fetch where the global tier holds prefixes, a recompute where not
-    t_evict = p.displace * (p.fetch_us if g > 0 else t_tok)
     # waiting burns no GPU time, recomputing does: at the knee only a wait past the SLO costs throughput
-    free_us = 1e6 * (p.slack_s + p.slack_s_per_tok * L)
-    drag = p.inflight_us * (1.0 if g > 0 else p.drag_no_global)
+    free_us = 1e6 * p.slack_share * (p.slo_ttft_s + p.slo_ttft_s_per_tok * L)
     wq = 1.0 if g > 0 else p.queue_no_global
-    return [
-        wq * max(0.0, t_tok * q - free_us) + (t_tok * (L - max(ci, g)) + p.fetch_us * max(0, g - ci)) * (1 + li) + drag * li
-        + t_evict * (L - ci)
-        for ci, li, q in zip(view.local_hit, flight, queued)
-    ]
+    wd = 1.0 if g > 0 else p.drag_no_global
+    prices = view.prices
+    out: list[float] = []
+    for i, (ci, li, q) in enumerate(zip(c, flight, queued)):
+        nf = max(0, g - ci)
+        if prices is not None:
+            pr = prices[i]
+            t_tok, fetch, t_fetch_tok, t_q = pr.prefill_token_us(L), pr.fetch_us(nf), pr.fetch_global_us, pr.queue_us_per_tok
+            drag = pr.inflight_us + (pr.mean_output or p.mean_output) * pr.decode_us_per_req
+        else:
+            t_tok = p.prefill_us + p.prefill_us_per_ktok * L / 1000.0
+            fetch = p.fetch_us * nf + (p.fetch_fixed_us if nf > 0 else 0.0)
+            t_fetch_tok, t_q = p.fetch_us, p.queue_us_per_tok
+            drag = p.inflight_us + p.mean_output * p.decode_us_per_req
+        # the KV brought to instance i evicts as much of other sessions' KV (a loaded GPU cache is
+        # full); serving that again costs a fetch where the global tier holds prefixes, a recompute where not
+        t_evict = p.displace * (t_fetch_tok if g > 0 else t_tok)
+        out.append(wq * max(0.0, t_q * q - free_us) + (t_tok * (L - max(ci, g)) + fetch) * (1 + li)
+                   + wd * drag * li + t_evict * (L - ci))
+    return out
 
 
-@register("smetric_ect", needs={"unprefilled", "in_flight"}, params=lambda cfg: {"p": ECTParams(
-    cfg.ect_prefill_us, cfg.ect_prefill_us_per_ktok, cfg.ect_fetch_us, cfg.ect_inflight_us, cfg.hit_ratio,
-    cfg.ect_displace, cfg.ect_slack_s, cfg.ect_slack_s_per_tok, cfg.ect_drag_no_global, cfg.ect_queue_no_global)})
+def _params(cfg: PolicyConfig) -> dict[str, ECTParams]:
+    return {"p": ECTParams.from_params(cfg.params, cfg.hit_ratio)}
+
+
+@register("smetric_ect", needs={"unprefilled", "in_flight", "prices"}, params=_params)
 def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
     if n == 0:
@@ -120,3 +166,8 @@ def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     if view.hit(k) == best:
         return Choice(k, Reason.STICKY)
     return Choice(k, Reason.OVERLOADED if best > p.hit_ratio * view.est_hit else Reason.EVICTED)
+
+
+# The same cost priced with the configured constants only (it asks for no learned prices): what
+# learning buys, side by side in bench/prices.py. Not a policy to deploy.
+register("smetric_ect_fixed", needs={"unprefilled", "in_flight"}, params=_params)(smetric_ect)

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress, count, islice, repeat
 from operator import eq
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from smetric_lmc.prices import InstancePrices
 
 from smetric_lmc.wire import Reason
 
@@ -79,7 +82,7 @@ class ClusterView:
     (for policies that score every instance) are built on first use. Tests and tools may pass
     plain lists."""
 
-    __slots__ = ("instances", "prompt_tokens", "turn", "est_hit", "global_hit", "unprefilled", "in_flight", "rr",
+    __slots__ = ("instances", "prompt_tokens", "turn", "est_hit", "global_hit", "unprefilled", "in_flight", "prices", "rr",
                  "_hits", "_loads", "_c", "_l", "_best")
 
     def __init__(
@@ -100,6 +103,9 @@ class ClusterView:
         *,
         hits: Hits | None = None,  # instead of local_hit
         loads: Loads | None = None,  # instead of load
+        # What each instance's requests were measured to cost (smetric_lmc.prices); filled only for
+        # policies that declare needs={"prices"} and only where the router has an estimator.
+        prices: Sequence[InstancePrices] | None = None,
     ) -> None:
         self.instances = instances
         self.prompt_tokens = prompt_tokens
@@ -108,6 +114,7 @@ class ClusterView:
         self.global_hit = global_hit
         self.unprefilled = unprefilled
         self.in_flight = in_flight
+        self.prices = prices
         self.rr = rr
         self._hits: Hits = hits if hits is not None else DenseHits(local_hit if local_hit is not None else ())
         self._loads: Loads = loads if loads is not None else DenseLoads(load if load is not None else ())

@@ -23,6 +23,7 @@ from smetric_lmc.config import PolicyConfig
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
+from smetric_lmc.sim import prices_hook
 from smetric_lmc.sim.cache import PrefixCache
 from smetric_lmc.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.sim.engine import Instance
@@ -199,6 +200,7 @@ class Simulator:
             else LoadTracker(clock=lambda: self.now)
         )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
+        self.price_feed = prices_hook.attach(self.router, policy)  # learns prices from done reports only
         prof = self.profile
         self.instances: list[Instance] = []
         self.by_id: dict[str, Instance] = {}
@@ -453,6 +455,7 @@ class Simulator:
         if self.cfg.pd:
             # Decode runs on the separate decode pool at a fixed pace.
             done = t + (r.output - 1) * self.cfg.pd_decode_tpot_s
+        prices_hook.report_done(self.price_feed, r, done)
         self._next(r.session, r.idx, done)
 
     def _next(self, sess: _Session, k: int, t: float) -> None:

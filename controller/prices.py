@@ -1,0 +1,59 @@
+"""The controller's price estimator (smetric_lmc.prices): built from the policy's configured prices
+as the cold-start prior, fed by every done report (RouteCore), exposed in the ``stats`` reply
+(``prices``) and to Prometheus as ``smetric_price_*``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.policy.smetric_ect import ECTParams
+from smetric_lmc.prices import PRICE_NAMES, EstimatorConfig, PriceBook, PriceFeed
+
+log = logging.getLogger(__name__)
+
+
+def make_feed(policy: PolicyConfig) -> PriceFeed:
+    """A feed whose prior is the configured variant's prices (its defaults for any other policy)."""
+    params = policy.params if policy.name.startswith("smetric_ect") else {}
+    return PriceFeed(PriceBook(EstimatorConfig(priors=ECTParams.from_params(params).prior_prices())))
+
+
+class PriceCollector(Collector):
+    """``smetric_price_<name>{backend}`` (µs; ``backend="cluster"``: the pooled fit),
+    ``smetric_price_rel_std{backend,price}`` (its relative standard error) and
+    ``smetric_price_observations{backend}``, read at scrape time (``backend`` as in controller/metrics.py)."""
+
+    def __init__(self, feed: PriceFeed) -> None:
+        self._feed = feed
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            book = self._feed.book
+            rows = [("cluster", book.pooled)] + [(iid, book._by[iid]) for iid in book.instances()]
+        except Exception:  # a scrape must never take the controller down
+            log.exception("metrics: price snapshot failed")
+            return
+        fams = {k: GaugeMetricFamily(f"smetric_price_{k}", f"learned price {k} (µs)", labels=["backend"])
+                for k in PRICE_NAMES}
+        rel = GaugeMetricFamily("smetric_price_rel_std", "relative standard error of a learned price",
+                                labels=["backend", "price"])
+        obs = GaugeMetricFamily("smetric_price_observations", "done reports a price fit has learned from",
+                                labels=["backend"])
+        for iid, est in rows:
+            p = est.prices()
+            for k in PRICE_NAMES:
+                fams[k].add_metric([iid], getattr(p, k))
+            for k, v in est.confidence().items():
+                rel.add_metric([iid, k], v)
+            obs.add_metric([iid], p.observations)
+        yield from fams.values()
+        yield rel
+        yield obs

@@ -1,0 +1,400 @@
+"""Online price estimator: what prefill, fetches and queueing cost on each instance, learned from
+what the cluster reports (issue 23). Pure: no I/O, no clock, no per-session state.
+
+Per instance it fits one linear model of a request's time to first token (µs)::
+
+    ttft = fixed_us                                        scheduling, tokenising, first decode step
+         + n_comp * (prefill_us + prefill_us_per_ktok * L / 1000)   compute (attention: long contexts dearer)
+         + n_glob * fetch_global_us + [n_glob > 0] * fetch_global_fixed_us   retrieve from the global tier
+         + n_cpu * fetch_local_us  + [n_cpu > 0] * fetch_local_fixed_us     retrieve from the local CPU tier
+         + queued * queue_us_per_tok                       prefill queued ahead of it at decision time
+         + in_flight * inflight_us                         batched requests slowing its prefill
+
+and one of the time per output token after the first (µs)::
+
+    tpot = decode_us + in_flight * decode_us_per_req
+
+by recursive least squares with exponential forgetting (``forget``: an observation's weight halves
+after ``ln 2 / -ln forget`` later ones; 0.995 -> ~140 per instance), Huber weights on residuals
+scaled by a robust running noise estimate (one outlier moves a price by at most ``huber_k`` noise
+widths' worth), equations divided by the observed time (noise grows with the request), and a prior
+for a cold start (the configured policy's prices, each with a prior standard deviation of
+``prior_rel_std`` of its value). After forgetting, each price's variance is capped at
+``prior_rel_std`` of the larger of its prior and its estimate, so an unexcited price drifts back to
+no more uncertainty than the prior had (no wind-up).
+
+A step change in a price (the fetch path slowing 4x) is followed by a fast shadow fit
+(``fast_forget``, no Huber weights): when its running prediction error (each error clipped at 3
+noise widths, so lone outliers barely move it) has stayed below ``switch_ratio`` of the slow fit's,
+the slow one adopts its state. Synthetic data (tests/test_prices.py) and the simulator
+(bench/prices.py) follow a 4x step within ~100-150 of that instance's requests.
+
+Confidence of a price: its relative standard error ``sqrt(P_ii) / |price|`` (``rel_std``);
+a price the data has not yet constrained keeps ``prior_rel_std``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+#: The TTFT model's coefficients, in µs per unit of each feature (see the module docstring).
+TTFT_PRICES: tuple[str, ...] = (
+    "fixed_us", "prefill_us", "prefill_us_per_ktok", "fetch_global_us", "fetch_global_fixed_us",
+    "fetch_local_us", "fetch_local_fixed_us", "queue_us_per_tok", "inflight_us",
+)  # fmt: skip
+#: The decode model's coefficients.
+TPOT_PRICES: tuple[str, ...] = ("decode_us", "decode_us_per_req")
+PRICE_NAMES: tuple[str, ...] = TTFT_PRICES + TPOT_PRICES
+
+#: Cold-start prices: read off the default `qwen3-30b-a3b-h20` profile (prefill iteration times at
+#: 4 k / 45 k / 120 k tokens of context; 98 KiB per token over the node's 25 GB/s NIC; PCIe ~25 GB/s
+#: for the local CPU tier). The fixed parts, the queue and the in-flight slopes are guesses the
+#: data replaces (their prior uncertainty is as wide as the value).
+DEFAULT_PRIORS: dict[str, float] = {
+    "fixed_us": 20_000.0, "prefill_us": 110.0, "prefill_us_per_ktok": 8.8, "fetch_global_us": 4.0,
+    "fetch_global_fixed_us": 2_000.0, "fetch_local_us": 4.0, "fetch_local_fixed_us": 500.0,
+    "queue_us_per_tok": 150.0, "inflight_us": 1_000.0, "decode_us": 20_000.0, "decode_us_per_req": 200.0,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatorConfig:
+    forget: float = 0.995  # per observation of that instance; 1 = never forget
+    prior_rel_std: float = 1.0  # prior standard deviation of each price, relative to its value
+    huber_k: float = 2.0  # residuals beyond k noise widths get weight k / |r|
+    noise0: float = 0.2  # initial relative noise (residual / predicted time)
+    noise_rate: float = 0.02  # running update rate of the noise estimate
+    fast_forget: float = 0.97  # the shadow fit that finds step changes (~23 observations' half-life)
+    switch_rate: float = 0.05  # running update rate of each fit's prediction error
+    switch_ratio: float = 0.8  # the slow fit adopts the fast one's state when its error is this much lower
+    switch_after: int = 20  # observations at least between two adoptions
+    priors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.forget <= 1.0:
+            raise ValueError("forget must be within [0.5, 1]")
+        if self.prior_rel_std <= 0 or self.huber_k <= 0 or self.noise0 <= 0 or not 0 < self.noise_rate < 1:
+            raise ValueError("prior_rel_std, huber_k, noise0 must be > 0 and noise_rate within (0, 1)")
+        unknown = set(self.priors) - set(PRICE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown prices in priors: {', '.join(sorted(unknown))}")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One finished request as a done report and its routing decision describe it."""
+
+    prompt_tokens: int  # L
+    local_hit: int  # c: the decision's predicted local (GPU) hit on the chosen instance
+    global_hit: int  # g: the decision's predicted global-tier hit
+    ttft_s: float
+    queued_tokens: float = 0.0  # prefill queued on the instance at decision time
+    in_flight: float = 0.0  # requests in flight there at decision time
+    cached_tokens: int | None = None  # what the engine reported reused (GPU + connector), when known
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    # where connector reuse the decision did not predict came from: the local CPU tier (the global
+    # tier's contents are indexed, so its hits were predicted), or the global tier (a store the
+    # router cannot see, and no local CPU tier)
+    unpredicted: Literal["local_cpu", "global"] = "local_cpu"
+
+    def split(self) -> tuple[int, int, int]:
+        """(computed, fetched from the global tier, fetched from the local CPU tier) tokens.
+
+        With the engine's cached count, reuse past the predicted GPU hit came through the connector:
+        from the global tier up to what it was predicted to hold, the rest from the local CPU tier.
+        Without it, the prediction stands. Reuse past both predictions comes from ``unpredicted``."""
+        L, c, g = self.prompt_tokens, min(self.local_hit, self.prompt_tokens), min(self.global_hit, self.prompt_tokens)
+        if self.cached_tokens is None:
+            n_g = max(0, g - c)
+            return L - max(c, g), n_g, 0
+        cached = max(0, min(self.cached_tokens, L))
+        gpu = min(c, cached)
+        ext = cached - gpu
+        n_g = min(ext, max(0, g - gpu))
+        if self.unpredicted == "global":
+            return L - cached, ext, 0
+        return L - cached, n_g, ext - n_g
+
+
+def ttft_features(o: Observation) -> np.ndarray:
+    comp, n_g, n_cpu = o.split()
+    return np.array([
+        1.0, comp, comp * o.prompt_tokens / 1000.0, n_g, float(n_g > 0), n_cpu, float(n_cpu > 0),
+        o.queued_tokens, o.in_flight,
+    ])  # fmt: skip
+
+
+class RobustRLS:
+    """Huber-weighted recursive least squares with forgetting and a covariance capped at the prior.
+
+    It fits each price relative to its prior (``theta = prior * t``, t starting at 1): the prices span
+    five orders of magnitude, and unit-free parameters keep the covariance update well conditioned."""
+
+    __slots__ = ("t", "unit", "P", "noise", "n", "err", "_forget", "_k", "_cap", "_cfg")
+
+    def __init__(self, prior: Sequence[float], cfg: EstimatorConfig, forget: float, huber_k: float) -> None:
+        self._cfg = cfg
+        self._forget = forget
+        self._k = huber_k
+        self.unit = np.maximum(np.abs(np.asarray(prior, dtype=np.float64)), 1e-9)
+        self.t = np.asarray(prior, dtype=np.float64) / self.unit
+        self._cap = cfg.prior_rel_std**2
+        self.P = np.eye(len(self.t)) * self._cap
+        self.noise = cfg.noise0
+        self.err = cfg.noise0  # running mean |prediction error| (clipped at 3 noise widths), relative
+        self.n = 0
+
+    @property
+    def theta(self) -> np.ndarray:
+        return self.t * self.unit
+
+    def update(self, x: np.ndarray, y: float) -> float:
+        """Fold in y ~ theta . x; returns the Huber weight the observation got."""
+        cfg = self._cfg
+        scale = max(abs(y), 1e-9)  # relative equations (noise grows with the request), linear in t
+        xs = x * self.unit / scale
+        r = 1.0 - float(self.t @ xs) if y > 0 else -float(self.t @ xs)
+        k = self._k * self.noise
+        w = 1.0 if abs(r) <= k else k / abs(r)
+        Px = self.P @ xs
+        sig = min(self.noise, cfg.noise0)  # capped: a fit far off at first still learns
+        gain = Px / (xs @ Px + sig * sig / w)
+        self.t = self.t + gain * r
+        P = (self.P - np.outer(gain, Px)) / self._forget
+        P = 0.5 * (P + P.T)
+        # cap at the prior's relative uncertainty, of the prior or of the estimate whichever is larger
+        # (no wind-up along directions the data does not excite; a price 40x its prior is not held to
+        # the prior's absolute width); scaling rows and columns keeps P symmetric PSD
+        cap = self._cap * np.maximum(1.0, self.t * self.t)
+        sc = np.minimum(1.0, np.sqrt(cap / np.maximum(np.diag(P), 1e-30)))
+        self.P = P * np.outer(sc, sc)
+        # robust noise scale: an outlier moves it by at most its clipped size
+        clipped = min(abs(r), 3.0 * self.noise)
+        self.noise += cfg.noise_rate * (clipped * 1.2533 - self.noise)
+        self.noise = max(self.noise, 1e-4)
+        self.err += cfg.switch_rate * (clipped - self.err)
+        self.n += 1
+        return w
+
+    def adopt(self, other: RobustRLS) -> None:
+        self.t = other.t.copy()
+        self.P = other.P.copy()
+        self.err = other.err
+
+    def rel_std(self) -> np.ndarray:
+        return np.sqrt(np.maximum(np.diag(self.P), 0.0)) / np.maximum(np.abs(self.t), 1e-9)
+
+
+class TwoRateRLS:
+    """A slow robust fit (reported) shadowed by a fast one: when the fast one has predicted clearly
+    better for a while (a price stepped: the fetch path slowed), the slow one adopts its state.
+    Outliers do not trigger it: both fits see them, Huber-weighted and clipped alike."""
+
+    __slots__ = ("slow", "fast", "switches", "_since", "_cfg")
+
+    def __init__(self, prior: Sequence[float], cfg: EstimatorConfig) -> None:
+        self._cfg = cfg
+        self.slow = RobustRLS(prior, cfg, cfg.forget, cfg.huber_k)
+        self.fast = RobustRLS(prior, cfg, cfg.fast_forget, 1e9)
+        self.switches = 0
+        self._since = 0
+
+    def update(self, x: np.ndarray, y: float) -> None:
+        self.slow.update(x, y)
+        self.fast.update(x, y)
+        self._since += 1
+        cfg = self._cfg
+        if self._since >= cfg.switch_after and self.fast.err < cfg.switch_ratio * self.slow.err:
+            self.slow.adopt(self.fast)
+            self.switches += 1
+            self._since = 0
+
+    def rel_std(self) -> np.ndarray:
+        return self.slow.rel_std()
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePrices:
+    """What one instance's requests cost, as learned (µs; see the module docstring)."""
+
+    fixed_us: float
+    prefill_us: float
+    prefill_us_per_ktok: float
+    fetch_global_us: float
+    fetch_global_fixed_us: float
+    fetch_local_us: float
+    fetch_local_fixed_us: float
+    queue_us_per_tok: float
+    inflight_us: float
+    decode_us: float
+    decode_us_per_req: float
+    observations: int = 0
+    mean_output: float = 0.0  # output tokens of a mean answer (0: none reported yet)
+
+    def prefill_token_us(self, context: int) -> float:
+        """µs to compute one token of a request with ``context`` tokens."""
+        return self.prefill_us + self.prefill_us_per_ktok * context / 1000.0
+
+    def fetch_us(self, tokens: int) -> float:
+        """µs to bring ``tokens`` back from the global tier (0 tokens: nothing)."""
+        return self.fetch_global_us * tokens + self.fetch_global_fixed_us if tokens > 0 else 0.0
+
+
+def _nonneg(v: float) -> float:
+    return v if v > 0 else 0.0
+
+
+class InstanceEstimator:
+    __slots__ = ("ttft", "tpot", "mean_output", "_cache")
+
+    def __init__(self, cfg: EstimatorConfig) -> None:
+        pr = {**DEFAULT_PRIORS, **cfg.priors}
+        self.ttft = TwoRateRLS([pr[k] for k in TTFT_PRICES], cfg)
+        self.tpot = TwoRateRLS([pr[k] for k in TPOT_PRICES], cfg)
+        self.mean_output = 0.0
+        self._cache: InstancePrices | None = None
+
+    def observe(self, o: Observation) -> None:
+        if not (o.ttft_s > 0 and math.isfinite(o.ttft_s)) or o.prompt_tokens <= 0:
+            return
+        self.ttft.update(ttft_features(o), o.ttft_s * 1e6)
+        if o.output_tokens > 0:
+            m = self.mean_output
+            self.mean_output = float(o.output_tokens) if m == 0 else m + 0.02 * (o.output_tokens - m)
+        if o.e2e_s is not None and o.output_tokens > 1 and math.isfinite(o.e2e_s) and o.e2e_s > o.ttft_s:
+            self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight)
+        self._cache = None
+
+    def observe_tpot(self, tpot_s: float, running: float) -> None:
+        """A time per output token at a batch of ``running`` requests (a done report or /metrics)."""
+        if tpot_s > 0 and math.isfinite(tpot_s) and running >= 0:
+            self.tpot.update(np.array([1.0, running]), tpot_s * 1e6)
+            self._cache = None
+
+    def prices(self) -> InstancePrices:
+        # Negative fits (a price the data cannot separate from noise yet) count as free, never as a gain.
+        if self._cache is None:
+            vals = [_nonneg(float(v)) for v in (*self.ttft.slow.theta, *self.tpot.slow.theta)]
+            self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output)
+        return self._cache
+
+    def confidence(self) -> dict[str, float]:
+        rs = [*self.ttft.rel_std(), *self.tpot.rel_std()]
+        return {k: round(float(v), 4) for k, v in zip(PRICE_NAMES, rs)}
+
+
+class PriceBook:
+    """Per-instance estimators, plus a pooled one over every instance (the cluster's price)."""
+
+    def __init__(self, cfg: EstimatorConfig | None = None) -> None:
+        self.cfg = cfg or EstimatorConfig()
+        self._by: dict[str, InstanceEstimator] = {}
+        self.pooled = InstanceEstimator(self.cfg)
+        self._prior = InstanceEstimator(self.cfg).prices()
+
+    def observe(self, instance_id: str, o: Observation) -> None:
+        est = self._by.get(instance_id)
+        if est is None:
+            est = self._by[instance_id] = InstanceEstimator(self.cfg)
+        est.observe(o)
+        self.pooled.observe(o)
+
+    def observe_tpot(self, instance_id: str, tpot_s: float, running: float) -> None:
+        est = self._by.get(instance_id)
+        if est is None:
+            est = self._by[instance_id] = InstanceEstimator(self.cfg)
+        est.observe_tpot(tpot_s, running)
+        self.pooled.observe_tpot(tpot_s, running)
+
+    def prices(self, instance_id: str) -> InstancePrices:
+        est = self._by.get(instance_id)
+        return est.prices() if est is not None else self._prior
+
+    def forget_instance(self, instance_id: str) -> None:
+        self._by.pop(instance_id, None)
+
+    def instances(self) -> list[str]:
+        return list(self._by)
+
+    def snapshot(self) -> dict[str, object]:
+        """Estimates and their confidence (relative standard errors), per instance and pooled."""
+
+        def one(e: InstanceEstimator) -> dict[str, object]:
+            p = e.prices()
+            return {
+                "prices": {k: round(getattr(p, k), 3) for k in PRICE_NAMES},
+                "rel_std": e.confidence(),
+                "observations": p.observations,
+                "mean_output": round(p.mean_output, 1),
+                "switches": e.ttft.switches,
+                "noise": round(float(e.ttft.slow.noise), 4),
+            }
+
+        return {
+            "forget": self.cfg.forget,
+            "cluster": one(self.pooled),
+            "instances": {iid: one(e) for iid, e in self._by.items()},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    instance_id: str
+    prompt_tokens: int
+    local_hit: int
+    global_hit: int
+    queued_tokens: float
+    in_flight: float
+
+
+class PriceFeed:
+    """Joins each request's routing decision (what was predicted, the queue it joined) to its done
+    report and feeds the result to a :class:`PriceBook`. Holds one small record per request in flight
+    (at most ``max_pending``: the oldest are dropped first when done reports go missing)."""
+
+    def __init__(self, book: PriceBook | None = None, max_pending: int = 200_000,
+                 unpredicted: Literal["local_cpu", "global"] = "local_cpu") -> None:
+        self.book = book or PriceBook()
+        self.unpredicted: Literal["local_cpu", "global"] = unpredicted  # see Observation.unpredicted
+        self.max_pending = max_pending
+        self._pending: dict[str, _Routed] = {}
+        self.stats = {"routed": 0, "observed": 0, "unmatched_done": 0, "dropped_pending": 0, "no_ttft": 0}
+
+    def on_routed(self, request_id: str, instance_id: str, prompt_tokens: int, local_hit: int, global_hit: int,
+                  queued_tokens: float, in_flight: float) -> None:
+        pend = self._pending
+        pend.pop(request_id, None)  # a re-route replaces the earlier decision
+        pend[request_id] = _Routed(instance_id, prompt_tokens, local_hit, global_hit, queued_tokens, in_flight)
+        self.stats["routed"] += 1
+        if len(pend) > self.max_pending:
+            del pend[next(iter(pend))]
+            self.stats["dropped_pending"] += 1
+
+    def on_done(self, request_id: str, *, ok: bool = True, ttft_s: float | None = None, e2e_s: float | None = None,
+                output_tokens: int = 0, cached_tokens: int | None = None, prompt_tokens: int | None = None) -> bool:
+        """Learn from one done report; False when it taught nothing (unknown id, failed, no TTFT)."""
+        r = self._pending.pop(request_id, None)
+        if r is None:
+            self.stats["unmatched_done"] += 1
+            return False
+        if not ok or ttft_s is None:
+            self.stats["no_ttft"] += 1
+            return False
+        L = prompt_tokens if prompt_tokens else r.prompt_tokens
+        self.book.observe(r.instance_id, Observation(
+            L, r.local_hit, r.global_hit, ttft_s, r.queued_tokens, r.in_flight, cached_tokens, e2e_s, output_tokens,
+            self.unpredicted))
+        self.stats["observed"] += 1
+        return True
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def snapshot(self) -> dict[str, object]:
+        return {**self.book.snapshot(), "feed": {**self.stats, "pending": len(self._pending)}}

@@ -1,0 +1,148 @@
+"""The price estimator (smetric_lmc.prices): convergence to known prices on synthetic done reports
+(with outliers), following a 4x step in the fetch price, the done-report feed, its exposure in the
+controller's stats reply and Prometheus, and the simulator's hook (it learns from simulated done
+reports only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from smetric_lmc.config import PolicyConfig
+from smetric_lmc.controller.prices import PriceCollector, make_feed
+from smetric_lmc.prices import (
+    DEFAULT_PRIORS,
+    TTFT_PRICES,
+    EstimatorConfig,
+    Observation,
+    PriceBook,
+    PriceFeed,
+    ttft_features,
+)
+from smetric_lmc.wire import DoneReport, RouteRequest, StatsRequest
+
+# true prices far from the priors (a 10x slower fetch path, a dearer prefill, a longer queue)
+TRUE = {**DEFAULT_PRIORS, "prefill_us": 150.0, "prefill_us_per_ktok": 12.0, "fetch_global_us": 40.0,
+        "fetch_global_fixed_us": 5000.0, "queue_us_per_tok": 200.0, "inflight_us": 3000.0, "fixed_us": 30000.0}  # fmt: skip
+
+
+def synthetic(rng: np.random.Generator, n: int, true: dict[str, float], outliers: float = 0.05) -> list[Observation]:
+    """Done reports with 5% lognormal noise and a share of 5x outliers (stalls)."""
+    out = []
+    theta = np.array([true[k] for k in TTFT_PRICES])
+    for _ in range(n):
+        L = int(rng.integers(1000, 40000))
+        follow = rng.random() < 0.8
+        c = int(L * rng.uniform(0.5, 0.95)) if follow and rng.random() < 0.5 else 0
+        g = int(L * rng.uniform(0.5, 0.95)) if follow and c == 0 and rng.random() < 0.7 else 0
+        q = float(rng.integers(0, 5000)) if rng.random() < 0.3 else 0.0
+        f = float(rng.integers(0, 10))
+        y = float(theta @ ttft_features(Observation(L, c, g, 1.0, q, f))) / 1e6 * float(np.exp(rng.normal(0, 0.05)))
+        if rng.random() < outliers:
+            y *= 5
+        out.append(Observation(L, c, g, y, q, f))
+    return out
+
+
+def test_converges_to_known_prices_despite_outliers() -> None:
+    rng = np.random.default_rng(0)
+    book = PriceBook()
+    for o in synthetic(rng, 2000, TRUE):
+        book.observe("a", o)
+    p = book.prices("a")
+    assert p.fetch_global_us == pytest.approx(40.0, rel=0.15)
+    assert p.prefill_token_us(20_000) == pytest.approx(150 + 12 * 20, rel=0.15)
+    assert p.queue_us_per_tok == pytest.approx(200.0, rel=0.15)
+    conf = book.snapshot()["instances"]["a"]["rel_std"]  # type: ignore[index]
+    # constrained prices are confident; one no request exercised keeps the prior's uncertainty
+    assert conf["fetch_global_us"] < 0.2 and conf["fetch_local_us"] == pytest.approx(1.0)
+
+
+def test_outliers_matter_without_the_huber_weights() -> None:
+    rng = np.random.default_rng(0)
+    data = synthetic(rng, 2000, TRUE, outliers=0.1)
+    robust, plain = PriceBook(), PriceBook(EstimatorConfig(huber_k=1e9))
+    for o in data:
+        robust.observe("a", o)
+        plain.observe("a", o)
+    err = [abs(b.prices("a").prefill_token_us(20_000) / 390 - 1) for b in (robust, plain)]
+    assert err[0] < 0.15 and err[0] < err[1]
+
+
+def test_follows_a_4x_step_in_the_fetch_price() -> None:
+    rng = np.random.default_rng(1)
+    book = PriceBook()
+    for o in synthetic(rng, 1500, TRUE):
+        book.observe("a", o)
+    slow = {**TRUE, "fetch_global_us": 160.0}
+    for o in synthetic(rng, 600, slow):
+        book.observe("a", o)
+    # the forgetting horizon (forget 0.995) and the fast shadow fit bring it most of the way back
+    assert book.prices("a").fetch_global_us == pytest.approx(160.0, rel=0.3)
+
+
+def test_without_forgetting_the_step_is_not_followed() -> None:
+    rng = np.random.default_rng(1)
+    book = PriceBook(EstimatorConfig(forget=1.0, fast_forget=1.0))
+    for o in synthetic(rng, 1500, TRUE):
+        book.observe("a", o)
+    for o in synthetic(rng, 600, {**TRUE, "fetch_global_us": 160.0}):
+        book.observe("a", o)
+    assert book.prices("a").fetch_global_us < 100.0
+
+
+def test_cached_tokens_split_reuse_between_the_tiers() -> None:
+    # predicted: 1,000 on the GPU, 3,000 in the global tier; the engine reused 3,500
+    o = Observation(5000, 1000, 3000, 1.0, cached_tokens=3500)
+    assert o.split() == (1500, 2000, 500)  # computed, from the global tier, from the local CPU tier
+    assert Observation(5000, 1000, 3000, 1.0).split() == (2000, 2000, 0)
+
+
+def test_feed_joins_decisions_to_done_reports_and_bounds_its_memory() -> None:
+    feed = PriceFeed(max_pending=2)
+    feed.on_routed("r1", "a", 1000, 0, 0, 0.0, 0.0)
+    assert feed.on_done("r1", ttft_s=0.2, e2e_s=1.0, output_tokens=10)
+    assert not feed.on_done("r1", ttft_s=0.2)  # a duplicate teaches nothing
+    for k in range(3):
+        feed.on_routed(f"x{k}", "a", 1000, 0, 0, 0.0, 0.0)
+    assert feed.stats["dropped_pending"] == 1 and not feed.on_done("x0", ttft_s=0.1)
+    feed.on_routed("y", "a", 1000, 0, 0, 0.0, 0.0)
+    assert not feed.on_done("y", ok=False, ttft_s=None)
+    assert feed.book.prices("a").observations == 1
+
+
+def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
+    from tests.test_controller_service import make_core
+
+    core = make_core(2)
+    core.router.prices = core.fallback.prices = make_feed(PolicyConfig(name="smetric_ect", params={"fetch_us": 9.0}))
+    assert core.router.prices.book.prices("i0").fetch_global_us == 9.0  # the configured prior
+    from smetric_lmc.wire import decode_reply, encode
+
+    for k in range(20):
+        core.handle(encode(RouteRequest(request_id=f"r{k}", token_ids=list(range(64)))))
+        core.handle(encode(DoneReport(request_id=f"r{k}", prompt_tokens=64, output_tokens=8, ttft_s=0.05, e2e_s=0.2)))
+    stats = decode_reply(core.handle(encode(StatsRequest()))).stats  # type: ignore[union-attr]
+    assert stats["prices"]["feed"]["observed"] == 20
+    assert stats["prices"]["cluster"]["observations"] == 20
+    reg = CollectorRegistry()
+    reg.register(PriceCollector(core.router.prices))
+    text = generate_latest(reg).decode()
+    assert 'smetric_price_fetch_global_us{backend="cluster"} 9.0' in text
+    assert 'smetric_price_observations{backend="cluster"} 20.0' in text
+    assert 'smetric_price_rel_std{backend="cluster",price="prefill_us"}' in text
+
+
+def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
+    from smetric_lmc.sim.cluster import Simulator
+    from tests.test_sim import cfg, toy
+
+    sim = Simulator(toy(), cfg(), PolicyConfig(name="smetric_ect"))
+    assert sim.price_feed is not None and sim.router.prices is sim.price_feed
+    sim.run()
+    # every finished request was a done report the estimator learnt from
+    assert sim.price_feed.stats["observed"] == sim.price_feed.stats["routed"] > 0
+    assert sim.price_feed.book.prices(sim.instances[0].iid).observations > 0
+    # a baseline runs without one
+    assert Simulator(toy(), cfg(), PolicyConfig(name="lmetric")).price_feed is None
