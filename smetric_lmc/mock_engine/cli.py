@@ -203,9 +203,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--local-cpu-gib", type=float, default=0.0, help="local CPU tier per instance, GiB (0: none)")
     names = fetch_path_names()
     t.add_argument("--fetch-path", default=DEFAULT_FETCH_PATH, choices=names,
-                   help="global tier's retrieve path: a simulator fetch-path profile (configs/fetch_paths.yaml)")
+                   help="(default: %(default)s) global tier's retrieve path: a simulator fetch-path profile (configs/fetch_paths.yaml)")
     t.add_argument("--local-fetch-path", default=LOCAL_CPU_PATH, choices=names,
-                   help="local CPU tier's retrieve path (a fetch-path profile)")
+                   help="(default: %(default)s) local CPU tier's retrieve path (a fetch-path profile)")
     t.add_argument("--retrieve-gbps", type=float, default=None,
                    help="global tier: per-request retrieve throughput, GB/s (0: links only; default: the profile's)")
     t.add_argument("--retrieve-chunk-ms", type=float, default=None, help="global tier: cost per 256-token chunk, ms")
