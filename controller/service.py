@@ -118,7 +118,8 @@ class RouteCore:
         self.index = index
         self.load = load
         self.router = router
-        self.fallback = Router(index, load, PolicyConfig(name="load_balance"), disaggregated=disaggregated)
+        self.fallback = Router(index, load, PolicyConfig(name="load_balance"), disaggregated=disaggregated,
+                               rotation=router.rotation)
         self.hashing = hashing
         self.metrics = metrics
         self.disaggregated = disaggregated

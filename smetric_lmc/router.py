@@ -30,11 +30,16 @@ class Router:
         policy: PolicyConfig | None = None,
         *,
         disaggregated: bool = False,
+        rotation: list[int] | None = None,
     ) -> None:
         self.index = index
         self.load = load
         self.disaggregated = disaggregated
-        self._rr = 0
+        # Round-robin pointers (see ClusterView.rr), one for first turns and one for follow-ups:
+        # a follow-up's pick never moves the pointer first turns rotate by (rr_argmin in the paper).
+        # Routers answering for one cluster in turn (the controller's load-balance fallback while
+        # its index fills) share them, so a switch does not restart the rotation.
+        self.rotation = rotation if rotation is not None else [0, 0]
         self.set_policy(policy or PolicyConfig())
 
     def set_policy(self, cfg: PolicyConfig) -> None:
@@ -93,10 +98,11 @@ class Router:
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         infl = [float(self.load.in_flight(i)) for i in ids] if "in_flight" in policy.needs else None
-        view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl, self._rr,
-                           hits=hits, loads=loads)
-        self._rr += 1
+        kind = 0 if turn == 0 else 1
+        view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl,
+                           self.rotation[kind], hits=hits, loads=loads)
         c = policy(view)
+        self.rotation[kind] = c.index + 1
         best = view.best_hit()[0]
         if c.index < 0:
             return RouteDecision(request_id, None, None, c.reason, policy.name, 0, found.global_hit_tokens, est, turn,
