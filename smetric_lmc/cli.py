@@ -16,6 +16,8 @@ _PARTS = {
     "controller": ("smetric_lmc.controller.main", "add_subcommands"),
     "gateway": ("smetric_lmc.gateway", "add_subcommands"),
     "up": ("smetric_lmc.workers.up", "add_subcommands"),
+    "status": ("smetric_lmc.workers.up", "add_status_subcommand"),
+    "down": ("smetric_lmc.workers.up", "add_down_subcommand"),
     "mock-engine": ("smetric_lmc.mock_engine.cli", "add_subcommands"),
     "replay": ("smetric_lmc.replay.cli", "add_subcommands"),
 }

@@ -90,7 +90,7 @@ def bring_up(args, workdir):
     return up.LocalStack([], tmp / "smetric.yaml", "http://x", "http://y/metrics", [child])
 up.bring_up = bring_up
 up.banner = lambda stack: "banner"
-sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp))))
+sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp), host="127.0.0.1", port=0, metrics_port=0, route_port=0)))
 """
 
 
@@ -109,7 +109,8 @@ def _live_members(pgid: int) -> list[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_and_sigterm_stop_everything_even_in_the_background(tmp_path: Path, sig: signal.Signals) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, SMETRIC_STATE_DIR=str(tmp_path / "state")))
     try:
         assert proc.stdout is not None
         pgid = int(proc.stdout.readline())

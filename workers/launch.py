@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -415,10 +415,21 @@ class EngineProcess(ProcessGroup):
         super().__init__(launch.argv, env, log_path, name)
         self.launch = launch
         self.http_url = http_url.rstrip("/")
+        self.ipc_path: Path | None = None  # vLLM's KV-event Unix socket, removed at stop
 
     @classmethod
     def from_spec(cls, spec: InstanceSpec, log_dir: Path) -> EngineProcess:
-        return cls(worker_launch(spec), spec.http_url, log_dir / f"{spec.instance_id}.log", spec.instance_id)
+        proc = cls(worker_launch(spec), spec.http_url, log_dir / f"{spec.instance_id}.log", spec.instance_id)
+        if spec.kv_events_bind.startswith("ipc://"):
+            proc.ipc_path = Path(spec.kv_events_bind.removeprefix("ipc://"))
+        return proc
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        rc = super().stop(timeout_s)
+        # vLLM leaves its bound ipc:// socket file behind; nothing else uses the name.
+        if self.ipc_path is not None:
+            self.ipc_path.unlink(missing_ok=True)
+        return rc
 
     def start(self) -> None:
         if self.launch.lmcache_yaml is not None:
@@ -542,6 +553,20 @@ def cpu_test_specs(
     ]
 
 
+def _report_progress(futures: Sequence[Future[float]], names: Sequence[str], every_s: float = 5.0) -> None:
+    """Log, every ``every_s`` until all are done, how many engines of the total answer /health."""
+    t0 = time.monotonic()
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=every_s, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            return  # the caller's result() raises it
+        ok = sum(f.done() for f in futures)
+        waiting = [n for n, f in zip(names, futures) if not f.done()]
+        log.info("engines: %d/%d healthy after %.0f s%s", ok, len(futures), time.monotonic() - t0,
+                 f"; waiting for {', '.join(waiting)} (30-50 s each on CPU)" if waiting else "")
+
+
 def start_engines(
     specs: Sequence[InstanceSpec], log_dir: Path, timeout_s: float = 300.0
 ) -> list[RunningEngine]:
@@ -551,7 +576,9 @@ def start_engines(
         for proc in procs:
             proc.start()
         with ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
-            ready = list(pool.map(lambda p: p.wait_ready(timeout_s), procs))
+            futures = [pool.submit(p.wait_ready, timeout_s) for p in procs]
+            _report_progress(futures, [p.name for p in procs])
+            ready = [f.result() for f in futures]
     except BaseException:
         for proc in procs:
             proc.stop()
