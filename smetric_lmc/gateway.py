@@ -39,6 +39,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ import aiohttp
 from aiohttp import web
 
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
-from smetric_lmc.config import Config, ConfigError, InstanceConfig, load_config
+from smetric_lmc.config import Config, ConfigError, InstanceConfig, default_config_path, load_config
 from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
 from smetric_lmc.gateway_prompt import (
     BadRequest,
@@ -64,7 +65,6 @@ from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = "configs/smetric.yaml"
 SLOW_ROUTING_S = 2.0  # tokenize + route normally take milliseconds; say so when they do not
 # Request headers worth passing to the engine; hop-by-hop and length headers are the proxy's own.
 _FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
@@ -662,8 +662,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         help="OpenAI-compatible HTTP proxy that routes each request with the controller",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help=f"the controller's YAML: instances, block size, route URL (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None,
+                   help="the controller's YAML: instances, block size, route URL (default: the example config "
+                        "shipped in the package, smetric_lmc/configs/smetric.yaml)")
     p.add_argument("--controller", default=None,
                    help="route service URL, or comma-separated replicas tried in turn "
                         "(default: server.route_url of --config)")
@@ -682,7 +683,25 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.set_defaults(func=run_gateway)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before anything says it listens (OSError if taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 def run_gateway(args: argparse.Namespace) -> int:
+    if args.config is None:
+        args.config = default_config_path()
+        log.info("gateway: no --config, using the packaged example %s", args.config)
     try:
         cfg = load_config(args.config)
         gw = Gateway(cfg, args.controller, tokenizer_dir=args.tokenizer, route_timeout_s=args.route_timeout_s,
@@ -691,10 +710,15 @@ def run_gateway(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         log.error("gateway: bad config: %s", exc)
         return 2
-    log.info("gateway listening on http://%s:%d", args.host, args.port)
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        log.error("gateway: cannot listen on %s:%d: %s (a stack still running? `smetric status` / "
+                  "`smetric down`; or choose another --port)", args.host, args.port, exc.strerror or exc)
+        return 1
+    log.info("gateway listening on http://%s:%d", args.host, sock.getsockname()[1])
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(gw.app(), host=args.host, port=args.port, access_log=None, print=None,
-                    handle_signals=True, shutdown_timeout=5.0)
+        web.run_app(gw.app(), sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0)
     return 0
 
 

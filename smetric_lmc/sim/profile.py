@@ -179,10 +179,21 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Profil
     return prof
 
 
+def profile_names() -> list[str]:
+    """The hardware profiles shipped in the package (``--profile NAME``)."""
+    from smetric_lmc.config import packaged_config
+
+    return sorted(f.name.removesuffix(".yaml") for f in packaged_config("profiles").iterdir()
+                  if f.name.endswith(".yaml"))
+
+
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     """Load a profile by name (the packaged ``configs/profiles/<name>.yaml``) or path."""
-    from smetric_lmc.config import packaged_config, read_yaml
+    from smetric_lmc.config import ConfigError, packaged_config, read_yaml
 
     p = Path(name_or_path)
+    if not p.suffix and not packaged_config(f"profiles/{name_or_path}.yaml").is_file():
+        raise ConfigError(f"no hardware profile {str(name_or_path)!r}; the profiles that exist: "
+                          f"{', '.join(profile_names())} (or a path to a profile .yaml)")
     data = read_yaml(p if p.suffix else packaged_config(f"profiles/{name_or_path}.yaml"))
     return profile_from_dict(data, p.name if p.suffix else f"{name_or_path}.yaml")
