@@ -110,7 +110,7 @@ def test_replay_ctrl_c_prints_what_was_measured(tmp_path: Path) -> None:
     assert "Traceback" not in stdout + stderr, stderr[-3000:]
     assert proc.returncode == 130
     assert "interrupted:" in stdout and "requests measured so far" in stdout
-    assert "| policy | TPS in SLO |" in stdout  # the summary of what was measured
+    assert "| policy | TPS in SLO (tok/s) |" in stdout  # the summary of what was measured
 
 
 def test_gateway_and_controller_without_config_work_outside_the_repository(tmp_path: Path) -> None:

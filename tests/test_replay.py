@@ -149,7 +149,7 @@ def test_smetric_replay_command(tmp_path) -> None:
         engine.terminate()
         engine.wait(10)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| policy | TPS in SLO |" in out.stdout
+    assert "| policy | TPS in SLO (tok/s) |" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     rows = (tmp_path / "r.jsonl").read_text().splitlines()
     assert summary["requests"] == len(rows) > 10 and summary["failed"] == 0
