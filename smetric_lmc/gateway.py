@@ -49,6 +49,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from smetric_lmc import gateway_status
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
 from smetric_lmc.config import Config, ConfigError, InstanceConfig, default_config_path, load_config
 from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
@@ -65,6 +66,7 @@ from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
 
+MODELS_TTL_S = 30.0  # how long the engines' /v1/models list is trusted for the model-name check
 SLOW_ROUTING_S = 2.0  # tokenize + route normally take milliseconds; say so when they do not
 # Request headers worth passing to the engine; hop-by-hop and length headers are the proxy's own.
 _FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
@@ -149,6 +151,8 @@ class Gateway:
         self._client: AsyncRouteClient | None = None
         self._reader: PromptReader | None = None
         self._controller_down_until = 0.0
+        self._served: set[str] = set()  # model names the engines serve (/v1/models), see _unknown_model
+        self._models_at = -1e9
         self._controller_down = False
         self._background: set[asyncio.Task[Any]] = set()
         self._failure_reports: dict[str, asyncio.Task[Any]] = {}  # route id -> its done report, in flight
@@ -158,6 +162,7 @@ class Gateway:
             "hash_mismatch": 0, "prefilled_reports": 0, "prefilled_failures": 0,
         }
         self.metrics = GatewayMetrics(list(self._by_id))
+        self.reasons: dict[str, int] = {}  # answered requests by X-SMetric-Reason (the status page)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -166,6 +171,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/", self._status_page)
         app.router.add_get("/metrics", self.metrics.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -228,7 +234,24 @@ class Gateway:
     async def _observed(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
         resp = await self._proxy(request, kind, path)
         self.metrics.observe_response(resp)
+        reason = resp.headers.get("X-SMetric-Reason")
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
         return resp
+
+    async def _status_page(self, _request: web.Request) -> web.Response:
+        """A readable page on the cluster (smetric_lmc.gateway_status), from the controller's stats."""
+        assert self._client is not None
+        stats = instances = None
+        error = None
+        try:
+            stats = await self._client.stats()
+            instances = await self._client.instances()
+        except RouteError as exc:
+            stats, error = None, _describe(exc)
+        page = gateway_status.render(controller_url=self.controller_url, stats=stats, instances=instances,
+                                     controller_error=error, reasons=self.reasons, gateway_counters=self.counters)
+        return web.Response(text=page, content_type="text/html")
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         assert self._http is not None
@@ -246,6 +269,38 @@ class Gateway:
             log.warning("gateway: /v1/models failed on instance=%s: %s", inst.id, errors[-1])
         return _error(502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error")
 
+    async def _unknown_model(self, model: Any) -> web.Response | None:
+        """An OpenAI ``model_not_found`` answer when the request names a model no engine serves
+        (before routing: such a request would count as a first turn and fail on the engine); None
+        when it is served. Names other than the config's are checked against the engines'
+        /v1/models (LoRA adapters included), remembered for a while."""
+        if model is None or model == self.cfg.model or not self.cfg.model:
+            return None
+        now = time.monotonic()
+        if now - self._models_at > MODELS_TTL_S:
+            served = await self._served_models()
+            if served is None:
+                return None  # no engine said: let the engine answer
+            self._served, self._models_at = served, now
+        if model in self._served:
+            return None
+        return web.json_response({"error": {
+            "message": f"The model `{model}` does not exist. Served here: {', '.join(sorted(self._served))}.",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}, status=404)
+
+    async def _served_models(self) -> set[str] | None:
+        assert self._http is not None
+        for inst in self._order_from(None):
+            try:
+                async with self._http.get(f"{inst.http.rstrip('/')}/v1/models", timeout=self._short_timeout) as up:
+                    if up.status == 200:
+                        data = await up.json(content_type=None)
+                        return {str(c.get("id")) for c in data.get("data") or () if isinstance(c, dict)} | {
+                            self.cfg.model}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                continue
+        return None
+
     async def _healthz(self, _request: web.Request) -> web.Response:
         body = {"ok": True, "controller": self.controller_url, "controller_down": self._controller_down,
                 "instances": list(self._by_id), **self.counters}
@@ -262,6 +317,9 @@ class Gateway:
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
+                unknown = await self._unknown_model(body.get("model"))
+                if unknown is not None:
+                    return unknown
                 info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
             # A client that knows its session's cached history (a trace replay) may say so.
             est = parse_turn_header(request.headers.get("X-SMetric-Est-Hit"), "X-SMetric-Est-Hit")
