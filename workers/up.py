@@ -186,7 +186,7 @@ def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
         from smetric_lmc.mock_engine.stack import bring_up_mock
 
         return bring_up_mock(args, workdir)
-    venv = launch.find_engine_venv()
+    venv = launch.ensure_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
         venv.parent / "models" / "tiny-qwen2", python=python)
