@@ -55,15 +55,7 @@ def _smetric(*argv: str, env: dict[str, str], timeout: float = 60) -> subprocess
 
 
 def _group_alive(pgid: int) -> bool:
-    """Any non-zombie process left in group ``pgid``."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(up.group_members(pgid))
 
 
 def test_down_ends_every_part_even_after_kill_9_of_up(tmp_path: Path) -> None:

@@ -363,14 +363,22 @@ def _marked_groups(up_id: str) -> set[int]:
     return groups
 
 
+def group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (an orphan's new parent, a container's
+    init, may reap late: a zombie holds no port and needs no signal)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return bool(group_members(pgid))
 
 
 def _states(port: int | None) -> list[tuple[Path, dict[str, Any]]]:
