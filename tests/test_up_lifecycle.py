@@ -108,3 +108,15 @@ def test_an_engines_kv_event_socket_file_is_removed_when_it_stops(tmp_path: Path
     proc.ipc_path.touch()  # what vLLM's bound ipc:// PUB leaves behind
     proc.stop(timeout_s=5)
     assert not proc.ipc_path.exists()
+
+
+def test_engine_start_up_reports_progress_against_the_total(caplog: pytest.LogCaptureFixture) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    caplog.set_level("INFO", logger="smetric_lmc.workers.launch")
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(time.sleep, s) for s in (0.05, 0.3, 0.6)]
+        launch._report_progress(futures, ["vllm-0", "vllm-1", "vllm-2"], every_s=0.2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engines: ")]
+    assert lines[0].startswith("engines: 1/3 healthy") and "waiting for vllm-1, vllm-2" in lines[0]
+    assert lines[-1].startswith("engines: 3/3 healthy") and "waiting" not in lines[-1]
