@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 from tqdm import tqdm
@@ -66,6 +67,9 @@ def run_replay(args: argparse.Namespace) -> int:
         bar.refresh()
 
     run = Replay(wl, cfg, progress=bar.update, on_total=total)
+    # A shell starts background jobs with SIGINT ignored; `kill -INT` should still stop the replay
+    # with its summary, as Ctrl-C does in the foreground.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupted = False
     try:
         asyncio.run(run.run())
@@ -75,6 +79,8 @@ def run_replay(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
     bar.close()
     records = run.records
     if interrupted:
