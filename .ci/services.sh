@@ -15,9 +15,12 @@ if [ "$(id -u)" -ne 0 ]; then
     SUDO="sudo"
 fi
 
+# Outputs are captured before they are tested: `cmd | grep -q` under pipefail fails whenever grep
+# exits at its first match while cmd still writes (SIGPIPE), which made a present package look absent.
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    status="$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)"
+    if [[ "$status" != *"install ok installed"* ]]; then
         missing+=("$pkg")
     fi
 done
@@ -33,10 +36,13 @@ if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
     $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
 fi
 
-if ! "$PYTHON" -m pip show mooncake-transfer-engine-non-cuda 2>/dev/null | grep -q '^Version: 0.3.13.post1$'; then
+mooncake_version() {
+    "$PYTHON" -m pip show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p' || true
+}
+if [[ "$(mooncake_version)" != "0.3.13.post1" ]]; then
     "$PYTHON" -m pip install "$MOONCAKE_WHEEL"
 fi
 
 command -v redis-server >/dev/null
 "$PYTHON" -c "import mooncake.store"
-echo "services ready: $(redis-server --version | cut -d' ' -f1-3), mooncake $("$PYTHON" -m pip show mooncake-transfer-engine-non-cuda | sed -n 's/^Version: //p')"
+echo "services ready: $(redis-server --version | cut -d' ' -f1-3), mooncake $(mooncake_version)"

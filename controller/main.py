@@ -9,11 +9,16 @@ import sys
 
 import msgspec
 
-from smetric_lmc.config import ConfigError, LMCacheConfig, LoadConfig, ServerConfig, load_config
+from smetric_lmc.config import (
+    ConfigError,
+    LMCacheConfig,
+    LoadConfig,
+    ServerConfig,
+    default_config_path,
+    load_config,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CONFIG = "configs/smetric.yaml"
 
 
 def _config_defaults() -> str:
@@ -40,7 +45,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         ),
         epilog=_config_defaults(),
     )
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None,
+                   help="YAML config (default: the example config shipped in the package, "
+                        "smetric_lmc/configs/smetric.yaml: two local vLLM instances)")
     p.add_argument(
         "--route-url", default=None, help="override server.route_url (e.g. tcp://127.0.0.1:5600)"
     )
@@ -69,6 +76,9 @@ def run_check(path: str) -> int:
 def run_controller(args: argparse.Namespace) -> int:
     if getattr(args, "check", None):
         return run_check(args.check)
+    if args.config is None:
+        args.config = default_config_path()
+        log.info("controller: no --config, using the packaged example %s", args.config)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
@@ -80,14 +90,20 @@ def run_controller(args: argparse.Namespace) -> int:
 
     exec_with_allocator(cfg.advanced.allocator)  # returns only when already running under it
     log.info("controller: allocator %s", running_allocator())
+    import zmq
+
     from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
 
     app = ControllerApp(cfg, config_path=args.config)
     try:
         asyncio.run(app.serve())
-    except OSError as exc:  # e.g. a port already in use
-        log.error("controller: cannot start: %s", exc)
+    except (OSError, zmq.ZMQError) as exc:  # a port already in use: one line, no traceback
+        log.error("controller: cannot start: %s (server.route_url %s, server.metrics_port %s; "
+                  "a stack still running? `smetric status` / `smetric down`)", exc, cfg.server.route_url,
+                  cfg.server.metrics_port)
         return 1
+    except KeyboardInterrupt:
+        return 0
     return 0
 
 

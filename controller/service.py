@@ -121,7 +121,8 @@ class RouteCore:
         self.index = index
         self.load = load
         self.router = router
-        self.fallback = Router(index, load, PolicyConfig(name="load_balance"), disaggregated=disaggregated)
+        self.fallback = Router(index, load, PolicyConfig(name="load_balance"), disaggregated=disaggregated,
+                               rotation=router.rotation)
         self.fallback.prices = router.prices  # its routes' done reports teach the same estimator
         self.hashing = hashing
         self.metrics = metrics

@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Any
 
+from smetric_lmc.config import ConfigError
+
 # subcommand -> (module, function adding its argparse subcommand); imported lazily so that
 # `smetric sim` does not pay for the controller's sockets or the gateway's HTTP stack.
 _PARTS = {
@@ -16,6 +18,8 @@ _PARTS = {
     "controller": ("smetric_lmc.controller.main", "add_subcommands"),
     "gateway": ("smetric_lmc.gateway", "add_subcommands"),
     "up": ("smetric_lmc.workers.up", "add_subcommands"),
+    "status": ("smetric_lmc.workers.up", "add_status_subcommand"),
+    "down": ("smetric_lmc.workers.up", "add_down_subcommand"),
     "mock-engine": ("smetric_lmc.mock_engine.cli", "add_subcommands"),
     "replay": ("smetric_lmc.replay.cli", "add_subcommands"),
     "router": ("smetric_lmc.dropin.router", "add_subcommands"),
@@ -102,7 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.parse_args([args.command, "--help"])
             return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError) as exc:
+        # A user's wrong path or value: one line naming it (-v: with the traceback).
+        if args.verbose:
+            raise
+        if isinstance(exc, OSError):
+            what = f"{exc.strerror or 'not found'}: {exc.filename or exc}"
+        else:
+            what = str(exc)
+        print(f"smetric {args.command or 'sim'}: {what}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

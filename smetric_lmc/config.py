@@ -290,6 +290,12 @@ T = TypeVar("T")
 Source = str | Path | Traversable
 
 
+def default_config_path() -> str:
+    """The example controller config shipped in the package: what ``smetric controller`` and
+    ``smetric gateway`` read without ``--config``, from any folder."""
+    return str(packaged_config("smetric.yaml"))
+
+
 def packaged_config(name: str) -> Traversable:
     """A file shipped under the package's ``configs/`` (``"sim.yaml"``, ``"profiles/<name>.yaml"``)."""
     return resources.files("smetric_lmc.configs").joinpath(name)

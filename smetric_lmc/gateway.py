@@ -39,6 +39,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -48,8 +49,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from smetric_lmc import gateway_status
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
-from smetric_lmc.config import Config, ConfigError, InstanceConfig, load_config
+from smetric_lmc.config import Config, ConfigError, InstanceConfig, default_config_path, load_config
 from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
 from smetric_lmc.gateway_prompt import (
     BadRequest,
@@ -65,7 +67,7 @@ from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = "configs/smetric.yaml"
+MODELS_TTL_S = 30.0  # how long the engines' /v1/models list is trusted for the model-name check
 SLOW_ROUTING_S = 2.0  # tokenize + route normally take milliseconds; say so when they do not
 # Request headers worth passing to the engine; hop-by-hop and length headers are the proxy's own.
 _FORWARD_REQUEST = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
@@ -150,6 +152,8 @@ class Gateway:
         self._client: AsyncRouteClient | None = None
         self._reader: PromptReader | None = None
         self._controller_down_until = 0.0
+        self._served: set[str] = set()  # model names the engines serve (/v1/models), see _unknown_model
+        self._models_at = -1e9
         self._controller_down = False
         self._background: set[asyncio.Task[Any]] = set()
         self._failure_reports: dict[str, asyncio.Task[Any]] = {}  # route id -> its done report, in flight
@@ -159,6 +163,7 @@ class Gateway:
             "hash_mismatch": 0, "prefilled_reports": 0, "prefilled_failures": 0,
         }
         self.metrics = GatewayMetrics(list(self._by_id))
+        self.reasons: dict[str, int] = {}  # answered requests by X-SMetric-Reason (the status page)
         self.sessions = SessionHints()  # add_header(): a deployment's own session header
 
     # ---- instances joining and leaving at run time (the drop-in router's discovery) -------------
@@ -188,6 +193,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/", self._status_page)
         app.router.add_get("/metrics", self.metrics.handle)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -250,7 +256,24 @@ class Gateway:
     async def _observed(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
         resp = await self._proxy(request, kind, path)
         self.metrics.observe_response(resp)
+        reason = resp.headers.get("X-SMetric-Reason")
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
         return resp
+
+    async def _status_page(self, _request: web.Request) -> web.Response:
+        """A readable page on the cluster (smetric_lmc.gateway_status), from the controller's stats."""
+        assert self._client is not None
+        stats = instances = None
+        error = None
+        try:
+            stats = await self._client.stats()
+            instances = await self._client.instances()
+        except RouteError as exc:
+            stats, error = None, _describe(exc)
+        page = gateway_status.render(controller_url=self.controller_url, stats=stats, instances=instances,
+                                     controller_error=error, reasons=self.reasons, gateway_counters=self.counters)
+        return web.Response(text=page, content_type="text/html")
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         assert self._http is not None
@@ -267,6 +290,38 @@ class Gateway:
                 errors.append(f"{inst.id}: {_describe(exc)}")
             log.warning("gateway: /v1/models failed on instance=%s: %s", inst.id, errors[-1])
         return _error(502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error")
+
+    async def _unknown_model(self, model: Any) -> web.Response | None:
+        """An OpenAI ``model_not_found`` answer when the request names a model no engine serves
+        (before routing: such a request would count as a first turn and fail on the engine); None
+        when it is served. Names other than the config's are checked against the engines'
+        /v1/models (LoRA adapters included), remembered for a while."""
+        if model is None or model == self.cfg.model or not self.cfg.model:
+            return None
+        now = time.monotonic()
+        if now - self._models_at > MODELS_TTL_S:
+            served = await self._served_models()
+            if served is None:
+                return None  # no engine said: let the engine answer
+            self._served, self._models_at = served, now
+        if model in self._served:
+            return None
+        return web.json_response({"error": {
+            "message": f"The model `{model}` does not exist. Served here: {', '.join(sorted(self._served))}.",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}, status=404)
+
+    async def _served_models(self) -> set[str] | None:
+        assert self._http is not None
+        for inst in self._order_from(None):
+            try:
+                async with self._http.get(f"{inst.http.rstrip('/')}/v1/models", timeout=self._short_timeout) as up:
+                    if up.status == 200:
+                        data = await up.json(content_type=None)
+                        return {str(c.get("id")) for c in data.get("data") or () if isinstance(c, dict)} | {
+                            self.cfg.model}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                continue
+        return None
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         body = {"ok": True, "controller": self.controller_url, "controller_down": self._controller_down,
@@ -286,6 +341,9 @@ class Gateway:
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise BadRequest("the request body must be a JSON object")
+                unknown = await self._unknown_model(body.get("model"))
+                if unknown is not None:
+                    return unknown
                 info = await self._reader.read(kind, body, parse_turn_header(request.headers.get("X-SMetric-Turn")))
             # A client that knows its session's cached history (a trace replay) may say so.
             est = parse_turn_header(request.headers.get("X-SMetric-Est-Hit"), "X-SMetric-Est-Hit")
@@ -690,8 +748,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         help="OpenAI-compatible HTTP proxy that routes each request with the controller",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help=f"the controller's YAML: instances, block size, route URL (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None,
+                   help="the controller's YAML: instances, block size, route URL (default: the example config "
+                        "shipped in the package, smetric_lmc/configs/smetric.yaml)")
     p.add_argument("--controller", default=None,
                    help="route service URL, or comma-separated replicas tried in turn "
                         "(default: server.route_url of --config)")
@@ -710,7 +769,25 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.set_defaults(func=run_gateway)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before anything says it listens (OSError if taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 def run_gateway(args: argparse.Namespace) -> int:
+    if args.config is None:
+        args.config = default_config_path()
+        log.info("gateway: no --config, using the packaged example %s", args.config)
     try:
         cfg = load_config(args.config)
         gw = Gateway(cfg, args.controller, tokenizer_dir=args.tokenizer, route_timeout_s=args.route_timeout_s,
@@ -719,10 +796,15 @@ def run_gateway(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         log.error("gateway: bad config: %s", exc)
         return 2
-    log.info("gateway listening on http://%s:%d", args.host, args.port)
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        log.error("gateway: cannot listen on %s:%d: %s (a stack still running? `smetric status` / "
+                  "`smetric down`; or choose another --port)", args.host, args.port, exc.strerror or exc)
+        return 1
+    log.info("gateway listening on http://%s:%d", args.host, sock.getsockname()[1])
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(gw.app(), host=args.host, port=args.port, access_log=None, print=None,
-                    handle_signals=True, shutdown_timeout=5.0)
+        web.run_app(gw.app(), sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0)
     return 0
 
 

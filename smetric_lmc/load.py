@@ -21,6 +21,8 @@ from itertools import repeat
 
 import msgspec
 
+from smetric_lmc.policy.view import rr_pick
+
 from .tables import compacted
 
 
@@ -392,10 +394,8 @@ class AlignedLoads:
         return self._t._aligned_sum
 
     def least(self, rr: int) -> int:
-        """Position of the least-loaded instance; ties broken round-robin in instance order (the
-        ``rr``-th of them, as ``policy.rr_argmin``)."""
-        ties = self._t._at_load[self._t._min_load]
-        return ties[rr % len(ties)]
+        """Position of the least-loaded instance; ties broken by ``policy.view.rr_pick``."""
+        return rr_pick(self._t._at_load[self._t._min_load], rr)
 
     def dense(self) -> list[int]:
         return self._t._aligned.copy()

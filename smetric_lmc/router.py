@@ -31,11 +31,16 @@ class Router:
         policy: PolicyConfig | None = None,
         *,
         disaggregated: bool = False,
+        rotation: list[int] | None = None,
     ) -> None:
         self.index = index
         self.load = load
         self.disaggregated = disaggregated
-        self._rr = 0
+        # Round-robin pointers (see ClusterView.rr), one for first turns and one for follow-ups:
+        # a follow-up's pick never moves the pointer first turns rotate by (rr_argmin in the paper).
+        # Routers answering for one cluster in turn (the controller's load-balance fallback while
+        # its index fills) share them, so a switch does not restart the rotation.
+        self.rotation = rotation if rotation is not None else [0, 0]
         # learns each instance's prices from done reports (the owner feeds it: controller, simulator);
         # a policy that declares needs={"prices"} decides with them
         self.prices: PriceFeed | None = None
@@ -101,12 +106,14 @@ class Router:
         policy = self._policy
         unpre = [float(self.load.unprefilled(i)) for i in ids] if "unprefilled" in policy.needs else None
         infl = [float(self.load.in_flight(i)) for i in ids] if "in_flight" in policy.needs else None
+        kind = 0 if turn == 0 else 1
         feed = self.prices
         book = feed.book if feed is not None and "prices" in policy.needs else None
-        view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl, self._rr,
-                           hits=hits, loads=loads, prices=[book.prices(i) for i in ids] if book is not None else None)
-        self._rr += 1
+        view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl,
+                           self.rotation[kind], hits=hits, loads=loads,
+                           prices=[book.prices(i) for i in ids] if book is not None else None)
         c = policy(view)
+        self.rotation[kind] = c.index + 1
         best = view.best_hit()[0]
         if c.index < 0:
             return RouteDecision(request_id, None, None, c.reason, policy.name, 0, found.global_hit_tokens, est, turn,

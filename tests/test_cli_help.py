@@ -36,8 +36,12 @@ def test_every_default_of_every_subcommand_is_in_its_help() -> None:
             seen.add(f"{path} {action.option_strings[0]}")
     # The ones an operator looks for first: hosts, ports, timeouts.
     for opt in ("smetric gateway --host", "smetric gateway --port", "smetric gateway --route-timeout-s",
-                "smetric up --port", "smetric up --engine-timeout-s", "smetric controller --config"):
+                "smetric up --port", "smetric up --engine-timeout-s"):
         assert opt in seen
+    # --config defaults to the config shipped in the package (resolved at run time), and says so
+    for part in ("controller", "gateway"):
+        (sub,) = [p for path, p in _subparsers(parser) if path == f"smetric {part}"]
+        assert "shipped in the package" in " ".join(sub.format_help().split())
 
 
 def test_controller_help_lists_the_config_defaults(capsys: pytest.CaptureFixture[str]) -> None:

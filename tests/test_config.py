@@ -84,8 +84,10 @@ def test_sim_config_and_profiles_share_the_loader(tmp_path):
     bad.write_text("instances: [1\n")
     with pytest.raises(ConfigError, match="line 2, column 1: invalid YAML"):
         load_sim_config(bad)
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="no hardware profile 'no-such-profile'; the profiles that exist: .*h20"):
         load_profile("no-such-profile")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_profile(tmp_path / "missing.yaml")
     # The defaults ship with the package: no repository checkout needed to find them.
     assert load_sim_config().instances == 32 and load_profile().name
 

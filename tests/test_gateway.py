@@ -347,3 +347,46 @@ async def test_gateway_fails_over_to_a_controller_replica(make_stack: StackFacto
     assert s.gateway._client is not None and s.gateway._client.failovers == 1
     await s.wait_dones(3)
     assert s.controller is not None and len(s.controller.load) == 0
+
+
+async def test_a_wrong_model_name_gets_openais_not_found_and_is_not_routed(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    body = {"model": "gpt-4o", "messages": MSGS}
+    async with s.http.post(f"{s.base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 404
+        err = (await resp.json())["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert "gpt-4o" in err["message"] and "tiny" in err["message"]
+    assert all(not e.received for e in s.engines)
+    assert s.controller is not None and s.controller.core.stats()["service"]["route"] == 0
+    # a name an engine lists (a LoRA adapter, say) is served
+    assert (await s.chat(MSGS)).status == 200
+
+
+async def test_status_page_shows_instances_tiers_reasons_and_policy(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    routed = await s.chat(MSGS, max_tokens=8)
+    assert routed.status == 200
+    reason = routed.headers["X-SMetric-Reason"]
+    async with s.http.get(f"{s.base}/") as resp:
+        assert resp.status == 200 and resp.content_type == "text/html"
+        page = await resp.text()
+    for needle in ("<td>e0</td>", "<td>e1</td>", "routable", "Index size per tier", "LMCache local",
+                   "global store", "policy <b>smetric</b>", "overload = 2.0", "hit_ratio = 0.5", f"<td>{reason}</td><td>1</td><td>100.0%</td>",
+                   "in flight (requests)"):
+        assert needle in page, needle
+
+
+async def test_status_page_without_a_controller_says_so(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(controller=False)
+    async with s.http.get(f"{s.base}/") as resp:
+        assert resp.status == 200
+        assert "does not answer" in await resp.text()
+
+
+async def test_metrics_carry_no_created_series(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    assert (await s.chat(MSGS)).status == 200
+    async with s.http.get(f"{s.base}/metrics") as resp:
+        text = await resp.text()
+    assert "smetric_gateway" in text and "_created" not in text

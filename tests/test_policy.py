@@ -128,7 +128,9 @@ def test_round_robin_and_cache_first():
 
 
 def test_rr_argmin_restricted_to_candidates():
-    assert rr_argmin([0, 5, 5, 1], 1, among=[1, 2]) == 2
+    # rr is a position pointer: the first tie at or after it, wrapping
+    assert [rr_argmin([0, 5, 5, 1], r, among=[1, 2]) for r in range(5)] == [1, 1, 2, 1, 1]
+    assert [rr_argmin([3, 1, 7, 1], r) for r in range(5)] == [1, 1, 3, 3, 1]
 
 
 # ---- invariants ---------------------------------------------------------------------------------

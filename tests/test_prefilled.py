@@ -69,8 +69,20 @@ def simulated_events() -> tuple[list[str], list[tuple[Any, ...]]]:
     for iid in ids:
         rec.add_instance(iid)
     sim.load = sim.router.load = rec
+    # The turn each request was routed with: round_robin keeps one rotation per request kind (first
+    # turns, follow-ups), so the live side must route with the same turns to make the same picks.
+    original = sim.router.route
+
+    def route(request_id: str, *args: Any, turn: int | None = None, **kw: Any) -> Any:
+        TURNS[request_id] = turn
+        return original(request_id, *args, turn=turn, **kw)
+
+    sim.router.route = route  # type: ignore[method-assign]
     sim.run()
     return ids, rec.log
+
+
+TURNS: dict[str, int | None] = {}
 
 
 def test_live_and_simulated_trackers_agree_on_the_same_events() -> None:
@@ -95,7 +107,7 @@ def test_live_and_simulated_trackers_agree_on_the_same_events() -> None:
                 # A chain of which exactly the simulated hit is cached on the simulated instance.
                 chain = [(n << 20) + j + 2 for j in range(prompt // BS)]
                 index.gpu_stored_hashes(inst, chain[: hit // BS])
-                d = c.route(rid, hashes=[HashChain("fast", BS, chain)], prompt_tokens=prompt, turn=0)
+                d = c.route(rid, hashes=[HashChain("fast", BS, chain)], prompt_tokens=prompt, turn=TURNS[rid])
                 assert (d.instance_id, d.local_hit_tokens) == (inst, hit)
             elif ev[0] == "prefilled":
                 _, rid, want = ev

@@ -104,11 +104,16 @@ async def test_scaled_replay_and_skipped_requests() -> None:
 
 async def test_replay_resends_the_generated_answer_and_it_hits() -> None:
     wl = _small_agent_workload(sessions=2, turns=6)
+    totals: list[int] = []
+    done: list[int] = []
     async with running_mocks(options(speed=400.0)) as mocks:
         records = await Replay(wl, ReplayConfig(url=mocks[0][0].http_url, rate=50.0, time_scale=0.0005,
-                                                context_scale=0.1, output_scale=0.1)).run()
+                                                context_scale=0.1, output_scale=0.1),
+                               progress=done.append, on_total=totals.append).run()
     assert all(r.ok for r in records)
     assert check_feedback(records, 32) >= 5
+    # the progress bar's total is known before the first request, and every request counts once
+    assert totals == [len(records)] == [sum(done)]
 
 
 def test_smetric_replay_command(tmp_path) -> None:
@@ -135,7 +140,7 @@ def test_smetric_replay_command(tmp_path) -> None:
         engine.terminate()
         engine.wait(10)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| policy | TPS in SLO |" in out.stdout
+    assert "| policy | TPS in SLO (tok/s) |" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     rows = (tmp_path / "r.jsonl").read_text().splitlines()
     assert summary["requests"] == len(rows) > 10 and summary["failed"] == 0

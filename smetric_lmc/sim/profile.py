@@ -179,6 +179,14 @@ def profile_from_dict(data: dict[str, Any], source: str = "<profile>") -> Profil
     return prof
 
 
+def profile_names() -> list[str]:
+    """The hardware profiles shipped in the package (``--profile NAME``)."""
+    from smetric_lmc.config import packaged_config
+
+    return sorted(f.name.removesuffix(".yaml") for f in packaged_config("profiles").iterdir()
+                  if f.name.endswith(".yaml"))
+
+
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     """Load a profile by name (the packaged ``configs/profiles/<name>.yaml``) or path."""
     from smetric_lmc.config import ConfigError, packaged_config, read_yaml
@@ -188,13 +196,6 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     if str(name_or_path) in names:  # a name (names may hold dots: llama-3.1-8b-...)
         return profile_from_dict(read_yaml(packaged_config(f"profiles/{name_or_path}.yaml")), f"{name_or_path}.yaml")
     if p.suffix not in (".yaml", ".yml"):
-        raise ConfigError(f"unknown profile {str(name_or_path)!r} (cannot read profiles/{name_or_path}.yaml); "
-                          f"known: {', '.join(names)}, or a .yaml path")
+        raise ConfigError(f"no hardware profile {str(name_or_path)!r} (cannot read profiles/{name_or_path}.yaml); "
+                          f"the profiles that exist: {', '.join(names)}, or a path to a profile .yaml")
     return profile_from_dict(read_yaml(p), p.name)
-
-
-def profile_names() -> list[str]:
-    """The packaged hardware/model profiles (``configs/profiles/*.yaml``)."""
-    from smetric_lmc.config import packaged_config
-
-    return sorted(q.name[:-5] for q in packaged_config("profiles").iterdir() if q.name.endswith(".yaml"))

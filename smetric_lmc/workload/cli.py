@@ -143,7 +143,7 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction,
 
     s = sub.add_parser("synth", help="generate a synthetic agentic workload (native format)")
     s.add_argument("--sessions", type=int, required=True)
-    s.add_argument("--seed", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0, help="random seed (the same seed gives the same workload)")
     s.add_argument("--scale", type=float, default=1.0)
     s.add_argument("--preset", choices=tuple(PRESETS), default="weka")
     s.add_argument("--out", required=True)

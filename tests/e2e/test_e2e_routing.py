@@ -231,16 +231,7 @@ def summary(turns: list[Turn]) -> dict[str, Any]:
 def engine_children(engine: launch.RunningEngine) -> list[int]:
     """The engine's core and worker processes: its process group minus the API server."""
     pgid = engine.process.pid
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        if int(fields[2]) == pgid and pid != pgid:
-            pids.append(pid)
-    return pids
+    return [pid for pid in up.group_members(pgid) if pid != pgid]
 
 
 @contextlib.contextmanager
