@@ -24,7 +24,6 @@ _PARAMS = {
     "smetric": ("overload", "hit_ratio"),
     "bailian": ("bailian_lambda",),
     "lmetric": ("lmetric_load_offset",),
-    "smetric_cost": ("overload", "hit_ratio", "cost_fetch_discount"),
 }
 
 _CSS = ("body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;"
@@ -62,8 +61,9 @@ def render(
     else:
         policy = dict(stats.get("policy") or {})
         name = str(policy.get("name", "?"))
-        keys = _PARAMS.get(name, tuple(k for k in policy if k.startswith("ect_")) if name == "smetric_ect" else ())
-        params = ", ".join(f"{k} = {_num(policy[k])}" for k in keys if k in policy) or "none"
+        shown = {k: policy[k] for k in _PARAMS.get(name, ()) if k in policy}
+        shown.update(policy.get("params") or {})  # an experimental policy's own parameters (smetric_ect)
+        params = ", ".join(f"{k} = {_num(v)}" for k, v in shown.items()) or "none"
         ready = stats.get("index_ready")
         parts.append(
             f"<p>controller <code>{e(controller_url)}</code>, up {float(stats.get('uptime_s') or 0):,.0f} s, "

@@ -84,7 +84,7 @@ def test_sim_config_and_profiles_share_the_loader(tmp_path):
     bad.write_text("instances: [1\n")
     with pytest.raises(ConfigError, match="line 2, column 1: invalid YAML"):
         load_sim_config(bad)
-    with pytest.raises(ConfigError, match="no hardware profile 'no-such-profile'; the profiles that exist: .*h20"):
+    with pytest.raises(ConfigError, match=r"no hardware profile 'no-such-profile' \(cannot read .*\); the profiles that exist: .*h20"):
         load_profile("no-such-profile")
     with pytest.raises(ConfigError, match="cannot read"):
         load_profile(tmp_path / "missing.yaml")

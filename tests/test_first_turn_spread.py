@@ -26,7 +26,7 @@ from smetric_lmc.wire import Reason
 
 BS = 16
 # The policies whose first turn is "least loaded, ties round-robin".
-BALANCING = ("smetric", "smetric_cost", "smetric_ect", "load_balance")
+BALANCING = ("smetric", "smetric_ect", "smetric_ect_fixed", "load_balance")
 
 
 def _prompt(session: int, turn: int) -> list[int]:

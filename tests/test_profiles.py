@@ -17,5 +17,5 @@ def test_every_packaged_profile_loads_and_holds_a_long_prompt() -> None:
 
 
 def test_unknown_profile_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown profile 'h100' \(cannot read profiles/h100.yaml\); known: .*qwen3-30b-a3b-h100"):
+    with pytest.raises(ValueError, match=r"no hardware profile 'h100' \(cannot read profiles/h100.yaml\); the profiles that exist: .*qwen3-30b-a3b-h100"):
         load_profile("h100")

@@ -15,7 +15,7 @@ from smetric_lmc.sim.paper import PD_KEY, PaperSize, Row, build_rows, candidates
 
 TINY = PaperSize(4, 120.0, 30, (1.0,), 1, 0,
                  {"bailian": ("bailian_lambda", (0.9, 0.6)), "lmetric": ("lmetric_load_offset", (1.0,)),
-                  "smetric_overload": ("overload", (2.0, math.inf)), "smetric_ect": ("ect_inflight_us", (5e6,))},
+                  "smetric_overload": ("overload", (2.0, math.inf)), "smetric_ect": ("params.inflight_us", (1e3,))},
                  (0.5,), settings=("none", "full", PD_KEY), label="tiny")  # fmt: skip
 
 KEYS = ["rows", "rows_within", "fetch_profile", "smetric_vs_best_global_full", "smetric_vs_best_noglobal",

@@ -50,14 +50,14 @@ FULL_GRID: Grid = {
     "lmetric": ("lmetric_load_offset", (1.0, 0.25, 4.0)),
     "smetric_overload": ("overload", (2.0, 1.5, math.inf)),
     "smetric_hit_ratio": ("hit_ratio", (0.5, 0.75)),
-    "smetric_ect": ("ect_inflight_us", (5e6, 1e7)),
+    "smetric_ect": ("params.inflight_us", (1e3, 1e5)),  # its prior first: the rest is learned
 }
 QUICK_GRID: Grid = {
     "bailian": ("bailian_lambda", (0.9, 0.7)),
     "lmetric": ("lmetric_load_offset", (1.0, 4.0)),
     "smetric_overload": ("overload", (2.0, math.inf)),
     "smetric_hit_ratio": ("hit_ratio", (0.5, 0.75)),
-    "smetric_ect": ("ect_inflight_us", (5e6,)),
+    "smetric_ect": ("params.inflight_us", (1e3,)),
 }
 
 
@@ -233,7 +233,10 @@ def candidates(grid: Grid) -> list[tuple[str, str, PolicyConfig]]:
     for key, (fld, values) in grid.items():
         pol = OURS if key.startswith("smetric_") and key != VARIANT else key
         for v in values:
-            cfg = PolicyConfig(**{"name": pol, fld: v})  # type: ignore[arg-type]
+            if fld.startswith("params."):  # an experimental policy's own parameter
+                cfg = PolicyConfig(name=pol, params={fld.removeprefix("params."): v})
+            else:
+                cfg = PolicyConfig(**{"name": pol, fld: v})  # type: ignore[arg-type]
             label = f"{pol} {fld}={v:g}"
             if pol == OURS:
                 label = f"{OURS} overload={cfg.overload:g} hit_ratio={cfg.hit_ratio:g}"

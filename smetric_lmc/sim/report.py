@@ -30,7 +30,7 @@ def _f(x: Any, nd: int = 2) -> str:
 
 # Our rules (the paper's and its variants); every other registered policy is a baseline users compare
 # against (load_balance, bailian, lmetric, dynamo, round_robin, cache_first).
-OUR_POLICIES = ("smetric", "smetric_cost", "smetric_ect")
+OUR_POLICIES = ("smetric", "smetric_ect", "smetric_ect_fixed")
 
 
 def best_of_baselines(scores: Mapping[str, float]) -> tuple[str | None, float]:
