@@ -48,7 +48,7 @@ from smetric_lmc.controller.app import ControllerApp
 from smetric_lmc.dropin import harness
 from smetric_lmc.dropin.args import build_parser
 from smetric_lmc.dropin.router import DropinRouter, build_config
-from smetric_lmc.mock_engine.stack import start_mock_engines
+from smetric_lmc.lab.mock_engine.stack import start_mock_engines
 from smetric_lmc.workers.launch import free_ports
 
 STATIC_VALUES = {"serviceDiscovery": "static", "staticBackends": "BACKENDS", "staticModels": "tiny,tiny",

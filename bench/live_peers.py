@@ -45,15 +45,15 @@ from typing import Any
 
 import aiohttp
 
-from smetric_lmc.mock_engine.cli import MockInstance
-from smetric_lmc.mock_engine.stack import start_mock_engines
-from smetric_lmc.replay.prompts import TokenSpace
-from smetric_lmc.replay.runner import ReplayConfig, replay
-from smetric_lmc.replay.summary import summarize_records
-from smetric_lmc.sim.config import load_sim_config
+from smetric_lmc.lab.mock_engine.cli import MockInstance
+from smetric_lmc.lab.mock_engine.stack import start_mock_engines
+from smetric_lmc.lab.replay.prompts import TokenSpace
+from smetric_lmc.lab.replay.runner import ReplayConfig, replay
+from smetric_lmc.lab.replay.summary import summarize_records
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.workload.model import Workload
+from smetric_lmc.lab.workload.presets import preset_workload
 from smetric_lmc.workers import launch, up
-from smetric_lmc.workload.model import Workload
-from smetric_lmc.workload.presets import preset_workload
 
 OURS = ("smetric", "smetric_ect", "load_balance")
 VLLM = ("kv_aware", "sticky_least_loaded", "cache_aware", "power_of_two", "round_robin")
@@ -401,7 +401,7 @@ def load_workloads(names: Sequence[str], sessions: int) -> dict[str, Workload]:
         if name == "trace1":
             out[name] = preset_workload("trace1", sessions * 4, seed=7)
         else:
-            from smetric_lmc.workload import load_any
+            from smetric_lmc.lab.workload import load_any
 
             shared = Path(os.environ.get("SMETRIC_SHARED", "../shared"))
             path = shared / "traces" / "weka-claude-code.tar.xz"

@@ -18,10 +18,10 @@ import json
 import statistics as st
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.sim.regime_map import BASELINES, run_map
-from smetric_lmc.sim.results_doc import FULL
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.sim.regime_map import BASELINES, run_map
+from smetric_lmc.lab.sim.results_doc import FULL
 
 
 def _value(v: str) -> float | str:

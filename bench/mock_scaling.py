@@ -18,8 +18,8 @@ from pathlib import Path
 
 from validate import probe_routes
 
-from smetric_lmc.mock_engine.stack import bring_up_mock  # noqa: E402
-from smetric_lmc.replay.compare import warm_up  # noqa: E402
+from smetric_lmc.lab.mock_engine.stack import bring_up_mock  # noqa: E402
+from smetric_lmc.lab.replay.compare import warm_up  # noqa: E402
 from smetric_lmc.workers import launch  # noqa: E402
 
 

@@ -46,13 +46,13 @@ from typing import Any
 import numpy as np
 
 from smetric_lmc.config import PolicyConfig
+from smetric_lmc.lab.sim.cluster import Simulator
+from smetric_lmc.lab.sim.config import SimConfig, load_sim_config
+from smetric_lmc.lab.sim.fetch_path import LMCACHE_CHUNK_TOKENS, FetchPath
+from smetric_lmc.lab.sim.profile import Profile, load_profile
+from smetric_lmc.lab.workload.model import Workload
+from smetric_lmc.lab.workload.presets import preset_workload
 from smetric_lmc.prices import PriceFeed
-from smetric_lmc.sim.cluster import Simulator
-from smetric_lmc.sim.config import SimConfig, load_sim_config
-from smetric_lmc.sim.fetch_path import LMCACHE_CHUNK_TOKENS, FetchPath
-from smetric_lmc.sim.profile import Profile, load_profile
-from smetric_lmc.workload.model import Workload
-from smetric_lmc.workload.presets import preset_workload
 
 PROFILE = "qwen3-30b-a3b-h20"
 VARIANT, FIXED = "smetric_ect", "smetric_ect_fixed"
@@ -243,7 +243,7 @@ def adapt(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
 
 
 def fetch_axis(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
-    from smetric_lmc.sim.regime_map import BASELINES, MapSpec, run_map
+    from smetric_lmc.lab.sim.regime_map import BASELINES, MapSpec, run_map
 
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -275,7 +275,7 @@ def fetch_axis(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
 async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
     import aiohttp
 
-    from smetric_lmc.mock_engine.cli import options, running_mocks
+    from smetric_lmc.lab.mock_engine.cli import options, running_mocks
 
     n_inst = 4
     args = options(instances=n_inst, global_gib=256.0, retrieve_gbps=a.live_gbps, retrieve_lookup_ms=2.0,

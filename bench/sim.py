@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from smetric_lmc.sim.cluster import simulate
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.workload import load_weka
+from smetric_lmc.lab.sim.cluster import simulate
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.workload import load_weka
 
 
 def shared_dir() -> Path:

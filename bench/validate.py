@@ -27,10 +27,10 @@ from typing import Any
 
 import aiohttp
 
-from smetric_lmc.replay.compare import compare, comparison_table, reasons_side_by_side, with_kv_tokens
-from smetric_lmc.replay.prompts import scale_workload
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.workload import synthetic
+from smetric_lmc.lab.replay.compare import compare, comparison_table, reasons_side_by_side, with_kv_tokens
+from smetric_lmc.lab.replay.prompts import scale_workload
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.workload import synthetic
 
 
 def probe_routes(gateway_url: str, seconds: float = 10.0, concurrency: int = 64) -> float:
@@ -80,7 +80,7 @@ def main() -> int:
                            "ttft_p50_rel_err_max": None, "rank_agree": None, "rank_noise_rel": None,
                            "rank_pairs_separated": None, "rank_ties": None}
     if not args.skip_real:
-        from smetric_lmc.replay.validate import real_available, validate_real
+        from smetric_lmc.lab.replay.validate import real_available, validate_real
 
         why = real_available()
         if why:

@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from smetric_lmc.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens
-from smetric_lmc.replay.runner import Record
-from smetric_lmc.replay.schedstat import measured_slowdowns
-from smetric_lmc.replay.summary import summarize_records
-from smetric_lmc.replay.under_load import (
+from smetric_lmc.lab.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens
+from smetric_lmc.lab.replay.runner import Record
+from smetric_lmc.lab.replay.schedstat import measured_slowdowns
+from smetric_lmc.lab.replay.summary import summarize_records
+from smetric_lmc.lab.replay.under_load import (
     Contention,
     RequestPath,
     fit_under_load,
@@ -57,9 +57,14 @@ from smetric_lmc.replay.under_load import (
     slowed,
     with_turnaround,
 )
-from smetric_lmc.replay.validate import CALIBRATION_POLICY, calibration_tags, small_workload, validate_real
-from smetric_lmc.sim.metrics import SimResult
-from smetric_lmc.sim.profile import load_profile
+from smetric_lmc.lab.replay.validate import (
+    CALIBRATION_POLICY,
+    calibration_tags,
+    small_workload,
+    validate_real,
+)
+from smetric_lmc.lab.sim.metrics import SimResult
+from smetric_lmc.lab.sim.profile import load_profile
 
 
 def _tag(r: dict[str, Any]) -> str:

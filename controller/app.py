@@ -27,24 +27,23 @@ import zmq
 import zmq.asyncio
 
 from smetric_lmc.config import Config, InstanceConfig
+from smetric_lmc.controller.engine_metrics import EngineMetricsPoller
+from smetric_lmc.controller.membership import IngestSink, Membership
+from smetric_lmc.controller.memory import Trimmer, tune_malloc
+from smetric_lmc.controller.metrics import ControllerMetrics, MetricsServer, StateCollector
+from smetric_lmc.controller.peer_apis import PeerApis, start_peer_apis
+from smetric_lmc.controller.persistence import IndexSnapshots
+from smetric_lmc.controller.prices import PriceCollector
+from smetric_lmc.controller.prices import make_feed as make_price_feed
+from smetric_lmc.controller.reload import PolicyReload
+from smetric_lmc.controller.replicas import LoadShare
+from smetric_lmc.controller.service import RouteCore, RouteService
+from smetric_lmc.controller.state import ControllerState
+from smetric_lmc.controller.tasks import Supervisor
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
-
-from .engine_metrics import EngineMetricsPoller
-from .membership import IngestSink, Membership
-from .memory import Trimmer, tune_malloc
-from .metrics import ControllerMetrics, MetricsServer, StateCollector
-from .peer_apis import PeerApis, start_peer_apis
-from .persistence import IndexSnapshots
-from .prices import PriceCollector
-from .prices import make_feed as make_price_feed
-from .reload import PolicyReload
-from .replicas import LoadShare
-from .service import RouteCore, RouteService
-from .state import ControllerState
-from .tasks import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +232,7 @@ class ControllerApp:
         False when the subscriber module cannot load (no GPU tier at all); an endpoint that cannot
         open is logged and skipped."""
         try:
-            from .vllm_events import VllmEventSubscriber
+            from smetric_lmc.controller.vllm_events import VllmEventSubscriber
         except ImportError as exc:
             log.error("vLLM KV events unavailable (%s): routing without the GPU tier", exc)
             return False
@@ -268,7 +267,7 @@ class ControllerApp:
         if not lc.enabled:
             return
         try:
-            from .lmcache_server import LMCacheWorkerServer
+            from smetric_lmc.controller.lmcache_server import LMCacheWorkerServer
         except ImportError as exc:
             log.error("LMCache worker server unavailable (%s): routing without the LMCache tier", exc)
             return
@@ -300,14 +299,14 @@ class ControllerApp:
                 if not gs.url:
                     log.error("global_store.kind=redis needs global_store.url: routing local-only")
                     return
-                from .global_redis import RedisGlobalTier
+                from smetric_lmc.controller.global_redis import RedisGlobalTier
 
                 self.global_tier = RedisGlobalTier(
                     gs.url, self.index, model=model, world_size=gs.world_size,
                     reconcile_interval_s=gs.reconcile_interval_s,
                 )
             elif gs.kind == "mooncake":
-                from .global_mooncake import MooncakeGlobalTier, open_store_probe
+                from smetric_lmc.controller.global_mooncake import MooncakeGlobalTier, open_store_probe
 
                 probe = None
                 if gs.master_addr and gs.metadata_server:

@@ -22,9 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from smetric_lmc.controller.service import RouteCore
 from smetric_lmc.wire import HashChain, RouteRequest, WireError
-
-from .service import RouteCore
 
 #: Queries of more tokens than this are checked and hashed on a thread, not on the event loop.
 OFFLOAD_TOKENS = 16_384

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .index_query import IndexQuery, QueryError
+from smetric_lmc.controller.index_query import IndexQuery, QueryError
 
 log = logging.getLogger(__name__)
 

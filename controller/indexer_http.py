@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from .index_query import IndexQuery, Overlap, QueryError
+from smetric_lmc.controller.index_query import IndexQuery, Overlap, QueryError
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
 
 
 def run_check(path: str) -> int:
-    from .check import check
+    from smetric_lmc.controller.check import check
 
     try:
         lines, warns = check(load_config(path), path)
@@ -86,13 +86,15 @@ def run_controller(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "route_url", None):
         cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, route_url=args.route_url))
-    from .memory import exec_with_allocator, running_allocator
+    from smetric_lmc.controller.memory import exec_with_allocator, running_allocator
 
     exec_with_allocator(cfg.advanced.allocator)  # returns only when already running under it
     log.info("controller: allocator %s", running_allocator())
     import zmq
 
-    from .app import ControllerApp  # the sockets' imports are only paid when the controller runs
+    from smetric_lmc.controller.app import (
+        ControllerApp,  # the sockets' imports are only paid when the controller runs
+    )
 
     app = ControllerApp(cfg, config_path=args.config)
     try:

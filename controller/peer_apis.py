@@ -15,11 +15,10 @@ import aiohttp
 from aiohttp import web
 
 from smetric_lmc.config import PeerApisConfig
-
-from .index_query import IndexQuery
-from .indexer_grpc import IndexerGrpc, Tokenize
-from .indexer_http import IndexerHttp
-from .service import RouteCore
+from smetric_lmc.controller.index_query import IndexQuery
+from smetric_lmc.controller.indexer_grpc import IndexerGrpc, Tokenize
+from smetric_lmc.controller.indexer_http import IndexerHttp
+from smetric_lmc.controller.service import RouteCore
 
 log = logging.getLogger(__name__)
 

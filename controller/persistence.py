@@ -19,10 +19,9 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
+from smetric_lmc.controller.service import RouteCore
 from smetric_lmc.index import TierIndex
 from smetric_lmc.index import snapshot as index_snapshot
-
-from .service import RouteCore
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,9 @@ from typing import Any
 import msgspec
 
 from smetric_lmc.config import LimitsConfig
+from smetric_lmc.controller.offload import OffloadWorker
 from smetric_lmc.hashing import HashSettings, fast_chain, lmcache_chunk_chain
 from smetric_lmc.wire import HashChain, RouteRequest, WireError, decode_request
-
-from .offload import OffloadWorker
 
 #: Request ids longer than this are refused: each routed id is kept in memory until its done.
 MAX_REQUEST_ID_CHARS = 512

@@ -27,6 +27,14 @@ import zmq.asyncio
 from smetric_lmc.config import InstanceConfig, LimitsConfig, PolicyConfig
 from smetric_lmc.controller.membership import Membership
 from smetric_lmc.controller.offload import OFFLOAD_BYTES
+from smetric_lmc.controller.route_prep import (
+    FramePrep,
+    RouteInputs,
+    check_request_id,
+    decode_checked,
+    request_id_of,
+    route_inputs,
+)
 from smetric_lmc.controller.tasks import LoopBudget, cancel_and_wait
 from smetric_lmc.curve import ZapAllowList, check_keypair
 from smetric_lmc.hashing import HashSettings
@@ -51,15 +59,6 @@ from smetric_lmc.wire import (
     WireError,
     encode,
     is_json,
-)
-
-from .route_prep import (
-    FramePrep,
-    RouteInputs,
-    check_request_id,
-    decode_checked,
-    request_id_of,
-    route_inputs,
 )
 
 log = logging.getLogger(__name__)

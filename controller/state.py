@@ -15,12 +15,11 @@ from typing import Any
 
 import msgspec
 
+from smetric_lmc.controller.membership import Membership
+from smetric_lmc.controller.metrics import InstanceState, StateView, SubscriberState
+from smetric_lmc.controller.service import RouteCore, RouteService
 from smetric_lmc.index import TierIndex
 from smetric_lmc.load import LoadTracker
-
-from .membership import Membership
-from .metrics import InstanceState, StateView, SubscriberState
-from .service import RouteCore, RouteService
 
 
 class ControllerState:

@@ -13,15 +13,15 @@ from smetric_lmc.config import ConfigError
 # subcommand -> (module, function adding its argparse subcommand); imported lazily so that
 # `smetric sim` does not pay for the controller's sockets or the gateway's HTTP stack.
 _PARTS = {
-    "sim": ("smetric_lmc.replay.sim_cli", "add_sim_subcommands"),
-    "trace": ("smetric_lmc.sim.trace_cli", "add_trace_subcommands"),
+    "sim": ("smetric_lmc.lab.replay.sim_cli", "add_sim_subcommands"),
+    "trace": ("smetric_lmc.lab.sim.trace_cli", "add_trace_subcommands"),
     "controller": ("smetric_lmc.controller.main", "add_subcommands"),
     "gateway": ("smetric_lmc.gateway", "add_subcommands"),
     "up": ("smetric_lmc.workers.up", "add_subcommands"),
     "status": ("smetric_lmc.workers.up", "add_status_subcommand"),
     "down": ("smetric_lmc.workers.up", "add_down_subcommand"),
-    "mock-engine": ("smetric_lmc.mock_engine.cli", "add_subcommands"),
-    "replay": ("smetric_lmc.replay.cli", "add_subcommands"),
+    "mock-engine": ("smetric_lmc.lab.mock_engine.cli", "add_subcommands"),
+    "replay": ("smetric_lmc.lab.replay.cli", "add_subcommands"),
     "router": ("smetric_lmc.dropin.router", "add_subcommands"),
 }
 

@@ -22,8 +22,7 @@ from itertools import repeat
 import msgspec
 
 from smetric_lmc.policy.view import rr_pick
-
-from .tables import compacted
+from smetric_lmc.tables import compacted
 
 
 class _InFlight(msgspec.Struct, gc=False):

@@ -10,9 +10,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from smetric_lmc.workload import TraceRequest, TraceSession, Workload, analyze, format_report
-from smetric_lmc.workload.analyze import PLOTS, interval_span, plot_names, plot_report, report_figures
-from smetric_lmc.workload.cli import main
+from smetric_lmc.lab.workload import TraceRequest, TraceSession, Workload, analyze, format_report
+from smetric_lmc.lab.workload.analyze import PLOTS, interval_span, plot_names, plot_report, report_figures
+from smetric_lmc.lab.workload.cli import main
 
 
 def _req(t: float, ids: tuple[int, ...], turn: int) -> TraceRequest:

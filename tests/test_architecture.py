@@ -5,7 +5,7 @@ Every ``.py`` of ``smetric_lmc`` and of the folders installed as its sub-package
 wherever it is written: at module level, inside a function (a lazy import still ties the two
 modules), under ``if TYPE_CHECKING:`` (the two still know each other), and as
 ``importlib.import_module("literal")``. Cycles are checked twice: between modules, and between
-units, a unit being a sub-package (``smetric_lmc.sim``) or a module directly in ``smetric_lmc``
+units, a unit being a sub-package (``smetric_lmc.lab.sim``) or a module directly in ``smetric_lmc``
 (``smetric_lmc.config``), so two packages that import each other through different modules fail.
 """
 
@@ -21,9 +21,7 @@ import pytest
 ROOT = "smetric_lmc"
 #: The lab wing: research code that may import the router, never the reverse. One constant, so
 #: that moving the lab under a sub-package changes this line only.
-LAB: frozenset[str] = frozenset({
-    "smetric_lmc.sim", "smetric_lmc.workload", "smetric_lmc.replay", "smetric_lmc.mock_engine",
-})
+LAB: frozenset[str] = frozenset({"smetric_lmc.lab"})
 
 
 def in_lab(module: str) -> bool:
@@ -150,12 +148,12 @@ def graph() -> tuple[dict[str, Path], dict[str, set[str]]]:
 def test_the_walk_sees_every_wing_and_its_edges(graph: tuple[dict[str, Path], dict[str, set[str]]]) -> None:
     modules, edges = graph
     for name in ("smetric_lmc.controller.app", "smetric_lmc.workers.up", "smetric_lmc.index.tier",
-                 "smetric_lmc.sim.cluster", "smetric_lmc.config", *LAB):
+                 "smetric_lmc.lab.sim.cluster", "smetric_lmc.config", *LAB):
         assert name in modules
     # Absolute, relative and lazy imports are all seen.
     assert "smetric_lmc.controller.membership" in edges["smetric_lmc.controller.app"]
     assert "smetric_lmc.controller.vllm_events" in edges["smetric_lmc.controller.app"]  # inside a function
-    assert "smetric_lmc.workload.model" in edges["smetric_lmc.sim.cluster"]
+    assert "smetric_lmc.lab.workload.model" in edges["smetric_lmc.lab.sim.cluster"]
 
 
 def test_no_import_cycle_between_modules(graph: tuple[dict[str, Path], dict[str, set[str]]]) -> None:
@@ -184,7 +182,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_the_launcher_finds_the_mock_stack_by_entry_point() -> None:
-    from smetric_lmc.mock_engine.stack import bring_up_mock
+    from smetric_lmc.lab.mock_engine.stack import bring_up_mock
     from smetric_lmc.workers.up import stack_plugin
 
     assert stack_plugin("mock") is bring_up_mock

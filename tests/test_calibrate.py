@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.replay.calibrate import FIT_BOUNDS, Sample, fit, measure
-from smetric_lmc.replay.compare import with_kv_tokens
-from smetric_lmc.sim.profile import load_profile
+from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+from smetric_lmc.lab.replay.calibrate import FIT_BOUNDS, Sample, fit, measure
+from smetric_lmc.lab.replay.compare import with_kv_tokens
+from smetric_lmc.lab.sim.profile import load_profile
 
 
 def test_fit_recovers_the_profile_that_made_the_timings() -> None:
@@ -61,7 +61,7 @@ def test_calibrating_a_mock_engine_reads_its_limits(tmp_path: Path) -> None:
 
     async def run() -> tuple[dict, list[Sample]]:
         path = tmp_path / "p.yaml"
-        from smetric_lmc.replay.compare import write_profile
+        from smetric_lmc.lab.replay.compare import write_profile
 
         write_profile(prof, path)
         async with running_mocks(options(profile=str(path), speed=4.0, max_model_len=4096)) as mocks:

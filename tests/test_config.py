@@ -71,8 +71,8 @@ def test_lmcache_root_by_kind_matches_the_recorded_roots():
 
 
 def test_sim_config_and_profiles_share_the_loader(tmp_path):
-    from smetric_lmc.sim.config import load_sim_config
-    from smetric_lmc.sim.profile import load_profile
+    from smetric_lmc.lab.sim.config import load_sim_config
+    from smetric_lmc.lab.sim.profile import load_profile
 
     # An explicitly given file that does not exist is an error, never silent defaults.
     with pytest.raises(ConfigError, match="cannot read"):

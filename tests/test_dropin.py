@@ -24,7 +24,7 @@ import pytest
 from smetric_lmc.dropin import harness
 from smetric_lmc.dropin.args import ArgsError, build_parser
 from smetric_lmc.dropin.router import DropinRouter, build_config
-from smetric_lmc.mock_engine.stack import start_mock_engines
+from smetric_lmc.lab.mock_engine.stack import start_mock_engines
 from smetric_lmc.workers.launch import free_ports
 
 #: The router's argument list as production-stack's chart (vllm-stack 0.1.12, template

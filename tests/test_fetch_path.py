@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from smetric_lmc.index import TierIndex
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.fetch_path import FetchPath, fetch_path_names, load_fetch_path
-from smetric_lmc.sim.global_tier import GlobalTier, Links
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.sim.transfer import Network
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.sim.fetch_path import FetchPath, fetch_path_names, load_fetch_path
+from smetric_lmc.lab.sim.global_tier import GlobalTier, Links
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.sim.transfer import Network
 
 BS = 256  # one block = one LMCache chunk
 PCIE = 50e9

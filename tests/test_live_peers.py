@@ -63,8 +63,8 @@ def test_the_endpoints_peers_discover_and_tokenize_with() -> None:
 
     import aiohttp
 
-    from smetric_lmc.mock_engine.cli import options, running_mocks
-    from smetric_lmc.mock_engine.server import encode_text, render_chat
+    from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+    from smetric_lmc.lab.mock_engine.server import encode_text, render_chat
 
     async def main() -> None:
         async with running_mocks(options(instances=1, block_size=16)) as mocks, aiohttp.ClientSession() as s:
@@ -91,8 +91,8 @@ def test_the_endpoints_peers_discover_and_tokenize_with() -> None:
 def test_text_prompts_need_ascii_token_ids() -> None:
     """The replay's text prompts (for SGLang's router) are the token ids as characters: only ids
     below 128 survive the mock's byte tokenizer unchanged."""
-    from smetric_lmc.replay.prompts import TokenSpace
-    from smetric_lmc.replay.runner import ReplayConfig
+    from smetric_lmc.lab.replay.prompts import TokenSpace
+    from smetric_lmc.lab.replay.runner import ReplayConfig
 
     ReplayConfig(url="http://x", tokens=TokenSpace(128, 16), text_prompts=True)
     with pytest.raises(ValueError, match="below 128"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim.cluster import Simulator
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.load_signal import ScrapedLoadTracker
-from smetric_lmc.workload.presets import preset_workload
+from smetric_lmc.lab.sim.cluster import Simulator
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.sim.load_signal import ScrapedLoadTracker
+from smetric_lmc.lab.workload.presets import preset_workload
 
 
 def test_scraped_loads_stay_stale_until_the_next_scrape() -> None:

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from smetric_lmc.client import RouteClient
-from smetric_lmc.mock_engine.stack import bring_up_mock
-from smetric_lmc.replay.runner import Record, ReplayConfig, replay
+from smetric_lmc.lab.mock_engine.stack import bring_up_mock
+from smetric_lmc.lab.replay.runner import Record, ReplayConfig, replay
+from smetric_lmc.lab.workload import synthetic
 from smetric_lmc.workers import up
-from smetric_lmc.workload import synthetic
 
 #: 16 mock-engine processes behind the real controller and gateway: a multi-process stack.
 pytestmark = pytest.mark.integration

@@ -22,11 +22,16 @@ from helpers import wait_for
 
 from smetric_lmc.controller.vllm_events import VllmEventSubscriber
 from smetric_lmc.controller.vllm_wire import decode_payload
-from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.mock_engine.kv_events import all_blocks_cleared, block_removed, block_stored, encode_batch
-from smetric_lmc.mock_engine.server import encode_text, render_chat
-from smetric_lmc.replay.runner import Replay, ReplayConfig
-from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
+from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+from smetric_lmc.lab.mock_engine.kv_events import (
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    encode_batch,
+)
+from smetric_lmc.lab.mock_engine.server import encode_text, render_chat
+from smetric_lmc.lab.replay.runner import Replay, ReplayConfig
+from smetric_lmc.lab.workload.model import TraceRequest, TraceSession, Workload
 
 
 @contextlib.asynccontextmanager

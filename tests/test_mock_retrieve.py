@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.mock_engine.retrieve import RetrieveCosts
-from smetric_lmc.sim.fetch_path import load_fetch_path
+from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+from smetric_lmc.lab.mock_engine.retrieve import RetrieveCosts
+from smetric_lmc.lab.sim.fetch_path import load_fetch_path
 
 PROMPT = list(range(1, 200)) * 40  # 7,960 tokens: ~0.8 GB of KV at 96 KiB/token
 

@@ -13,12 +13,12 @@ from smetric_lmc.config import InstanceConfig, PolicyConfig
 from smetric_lmc.controller.service import RouteCore
 from smetric_lmc.hashing import HashSettings
 from smetric_lmc.index import TierIndex
+from smetric_lmc.lab.sim.cluster import Simulator
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.workload import TraceRequest, TraceSession, Workload
 from smetric_lmc.load import LoadTracker
 from smetric_lmc.router import Router
-from smetric_lmc.sim.cluster import Simulator
-from smetric_lmc.sim.config import load_sim_config
 from smetric_lmc.wire import HashChain
-from smetric_lmc.workload import TraceRequest, TraceSession, Workload
 
 BS = 64
 

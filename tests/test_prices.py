@@ -135,7 +135,7 @@ def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
 
 
 def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
-    from smetric_lmc.sim.cluster import Simulator
+    from smetric_lmc.lab.sim.cluster import Simulator
     from tests.test_sim import cfg, toy
 
     sim = Simulator(toy(), cfg(), PolicyConfig(name="smetric_ect"))

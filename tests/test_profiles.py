@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smetric_lmc.sim.profile import load_profile, profile_names
+from smetric_lmc.lab.sim.profile import load_profile, profile_names
 
 
 def test_every_packaged_profile_loads_and_holds_a_long_prompt() -> None:

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim import cli
-from smetric_lmc.sim.batch import decision_breakdown
-from smetric_lmc.sim.cluster import place_sessions, simulate
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.knee import KneeResult, Setting, knee_sweeps
-from smetric_lmc.sim.metrics import SimResult
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.sim.regime_map import (
+from smetric_lmc.lab.sim import cli
+from smetric_lmc.lab.sim.batch import decision_breakdown
+from smetric_lmc.lab.sim.cluster import place_sessions, simulate
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.sim.knee import KneeResult, Setting, knee_sweeps
+from smetric_lmc.lab.sim.metrics import SimResult
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.sim.regime_map import (
     Cell,
     MapSpec,
     build_workloads,
@@ -27,9 +27,9 @@ from smetric_lmc.sim.regime_map import (
     map_markdown,
     run_map,
 )
-from smetric_lmc.sim.results_doc import VARIANT, Size, main_report
-from smetric_lmc.workload import save_native, synthetic
-from smetric_lmc.workload.presets import preset_workload
+from smetric_lmc.lab.sim.results_doc import VARIANT, Size, main_report
+from smetric_lmc.lab.workload import save_native, synthetic
+from smetric_lmc.lab.workload.presets import preset_workload
 
 PROF = load_profile("qwen3-30b-a3b-h20")
 
@@ -93,7 +93,7 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
     """The sweep's logic on known score curves (the simulation replaced by closed forms of the rate):
     a policy best at its lowest load gets a run below it, one best at its top load a run above it,
     and one whose top load left the GPUs under 80% busy a run above it whatever its best."""
-    from smetric_lmc.sim import knee as knee_mod
+    from smetric_lmc.lab.sim import knee as knee_mod
 
     curves = {  # policy -> (score(rate), busy(rate))
         "smetric": (lambda r: 10 - r, lambda r: min(1.0, r)),  # past its SLO cliff from the start
@@ -134,7 +134,7 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
     # lmetric never got past 75% busy: the sweep did not reach its knee, and the flag says so
     assert "lmetric: peak at 30% GPU busy and no run above 68%: the sweep did not reach" in flags
     # a policy whose busiest instance saturated while the mean stayed low is load-skewed, not short
-    from smetric_lmc.sim.knee import low_peak_cause
+    from smetric_lmc.lab.sim.knee import low_peak_cause
 
     got = low_peak_cause({"gpu_busy_share": 0.22, "gpu_busy_max": 1.0, "token_imbalance_mean": 5.9}, 0.25)
     assert got.startswith("peak at 22% GPU busy, load-skewed: its busiest instance was 100% busy")
@@ -151,7 +151,7 @@ def test_knee_sweep_runs_every_policy_where_another_peaked(monkeypatch: pytest.M
     the cliff. Hand-built curves from that cell: load_balance peaks below the knee and is extended down
     to it; the variant scores 1.5 at the knee and 3.8 at 1.4x (a bump), so on its own its best looks
     bracketed at 1.4x; run where load_balance peaked it scores its true 14."""
-    from smetric_lmc.sim import knee as knee_mod
+    from smetric_lmc.lab.sim import knee as knee_mod
 
     curves = {  # policy -> score by rate factor
         "load_balance": {1 / 1.5: 13.0, 1.0: 3.2, 1.4: 2.3, 1.4 * 1.5: 0.0, 1 / 1.5**2: 9.0},
@@ -258,7 +258,7 @@ def test_report_tiny_ends_with_the_summary_line(tmp_path: Path, capsys: pytest.C
     assert (tmp_path / "img" / "regime_map.png").stat().st_size > 0
     # --rebuild writes the same document from the saved results, without simulating
     (tmp_path / "results.md").unlink()
-    monkeypatch.setattr("smetric_lmc.sim.results_doc.run_report", lambda *a: pytest.fail("rebuild simulated"))
+    monkeypatch.setattr("smetric_lmc.lab.sim.results_doc.run_report", lambda *a: pytest.fail("rebuild simulated"))
     again = ap.parse_args(["report", "--rebuild", "--trace", str(trace), "--out", str(tmp_path / "results.md")])
     assert main_report(again, tiny) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == last
@@ -299,7 +299,7 @@ def test_sim_map_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_fetch_axis_map_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`smetric sim map --fetch-axis`: per-request retrieve speed x global tier, one sentence per tier."""
-    from smetric_lmc.sim.fetch_map import parse_axis
+    from smetric_lmc.lab.sim.fetch_map import parse_axis
 
     assert parse_axis("0.5, line") == (0.5, float("inf"))
     with pytest.raises(ValueError):
@@ -316,9 +316,9 @@ def test_fetch_axis_map_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_fetch_axis_crossover_sentence() -> None:
     import numpy as np
 
-    from smetric_lmc.sim.fetch_map import FetchMap, FetchMapSpec, crossover
-    from smetric_lmc.sim.knee import KneeResult
-    from smetric_lmc.sim.metrics import SimResult
+    from smetric_lmc.lab.sim.fetch_map import FetchMap, FetchMapSpec, crossover
+    from smetric_lmc.lab.sim.knee import KneeResult
+    from smetric_lmc.lab.sim.metrics import SimResult
 
     def kr(ours: float, lb: float) -> KneeResult:
         k = KneeResult(1.0)

@@ -11,13 +11,13 @@ import pytest
 from aiohttp import web
 from replay_helpers import check_feedback
 
-from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
-from smetric_lmc.replay.runner import Replay, ReplayConfig
-from smetric_lmc.replay.summary import summarize_records
-from smetric_lmc.sim.cluster import chained_lcp
-from smetric_lmc.workload import synthetic
-from smetric_lmc.workload.model import TraceRequest, TraceSession, Workload
+from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+from smetric_lmc.lab.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
+from smetric_lmc.lab.replay.runner import Replay, ReplayConfig
+from smetric_lmc.lab.replay.summary import summarize_records
+from smetric_lmc.lab.sim.cluster import chained_lcp
+from smetric_lmc.lab.workload import synthetic
+from smetric_lmc.lab.workload.model import TraceRequest, TraceSession, Workload
 
 
 def _req(ids: list[int], extra: int = 0) -> TraceRequest:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim.cluster import Simulator, simulate
-from smetric_lmc.sim.config import SLO, load_sim_config
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.workload import TraceRequest, TraceSession, Workload, synthetic
+from smetric_lmc.lab.sim.cluster import Simulator, simulate
+from smetric_lmc.lab.sim.config import SLO, load_sim_config
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.workload import TraceRequest, TraceSession, Workload, synthetic
 
 BS = 64
 
@@ -256,7 +256,7 @@ def test_weka_subset_replay() -> None:
     archive = shared_dir() / "traces" / "weka-claude-code.tar.xz"
     if not archive.exists():
         pytest.skip(f"WEKA trace not found at {archive} (set SMETRIC_SHARED)")
-    from smetric_lmc.workload import load_weka
+    from smetric_lmc.lab.workload import load_weka
 
     wl = load_weka(archive, limit=6, progress=False)
     sim = Simulator(wl, cfg(instances=4, rate=0.01, global_tier="0.8"), PolicyConfig(name="smetric"))
@@ -288,10 +288,10 @@ def test_subagent_starts_when_the_spawning_parent_request_completes() -> None:
 
 
 def test_sim_modules_import_without_cycles() -> None:
-    # every import between smetric_lmc.sim modules, TYPE_CHECKING ones included, absolute only
+    # every import between smetric_lmc.lab.sim modules, TYPE_CHECKING ones included, absolute only
     import ast
 
-    import smetric_lmc.sim as pkg
+    import smetric_lmc.lab.sim as pkg
 
     root = Path(pkg.__file__).parent
     graph: dict[str, set[str]] = {}
@@ -301,7 +301,7 @@ def test_sim_modules_import_without_cycles() -> None:
             if isinstance(node, ast.ImportFrom):
                 assert node.level == 0, f"{f.name}: relative import"
                 mod = node.module or ""
-                if mod.startswith("smetric_lmc.sim."):
+                if mod.startswith("smetric_lmc.lab.sim."):
                     deps.add(mod.split(".")[2])
         graph[f.stem] = deps
     assert {"engine", "cluster", "metrics"} <= set(graph)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from smetric_lmc.sim.cache import PrefixCache
+from smetric_lmc.lab.sim.cache import PrefixCache
 
 
 def chain(n: int, seed: int) -> np.ndarray:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from smetric_lmc.sim import cli
-from smetric_lmc.sim.config import load_sim_config
-from smetric_lmc.sim.sweep import build_points, rates_around
+from smetric_lmc.lab.sim import cli
+from smetric_lmc.lab.sim.config import load_sim_config
+from smetric_lmc.lab.sim.sweep import build_points, rates_around
 
 
 def test_sim_cli_sweep_writes_report_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

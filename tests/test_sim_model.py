@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from smetric_lmc.config import PolicyConfig
-from smetric_lmc.sim.cluster import Simulator, place_sessions, shared_depths
-from smetric_lmc.sim.config import global_capacity_blocks, load_sim_config
-from smetric_lmc.sim.metrics import imbalance
-from smetric_lmc.sim.profile import load_profile
-from smetric_lmc.sim.sweep import Outcome, Point, SweepResult, peak_rows
-from smetric_lmc.sim.transfer import Network, Resource
-from smetric_lmc.workload import TraceRequest, TraceSession, Workload
+from smetric_lmc.lab.sim.cluster import Simulator, place_sessions, shared_depths
+from smetric_lmc.lab.sim.config import global_capacity_blocks, load_sim_config
+from smetric_lmc.lab.sim.metrics import imbalance
+from smetric_lmc.lab.sim.profile import load_profile
+from smetric_lmc.lab.sim.sweep import Outcome, Point, SweepResult, peak_rows
+from smetric_lmc.lab.sim.transfer import Network, Resource
+from smetric_lmc.lab.workload import TraceRequest, TraceSession, Workload
 
 BS = 64
 
@@ -297,7 +297,7 @@ def test_token_window_imbalance() -> None:
 
 
 def test_load_sweep_extends_until_the_gpus_saturate() -> None:
-    from smetric_lmc.sim.sweep import sweep
+    from smetric_lmc.lab.sim.sweep import sweep
 
     sessions = [TraceSession(f"s{k}", [TraceRequest(0.0, 5000, 11, ids(78, k + 1), turn=0)]) for k in range(3)]
     wl = Workload("w", BS, sessions)

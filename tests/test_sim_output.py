@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from smetric_lmc.sim.metrics import SimResult
-from smetric_lmc.sim.report import OUR_POLICIES, comparison_table, headline
+from smetric_lmc.lab.sim.metrics import SimResult
+from smetric_lmc.lab.sim.report import OUR_POLICIES, comparison_table, headline
 
 
 def _result(policy: str, tps: float) -> SimResult:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smetric_lmc.sim.paper import PD_KEY, PaperSize, Row, build_rows, candidates, main_paper
+from smetric_lmc.lab.sim.paper import PD_KEY, PaperSize, Row, build_rows, candidates, main_paper
 
 TINY = PaperSize(4, 120.0, 30, (1.0,), 1, 0,
                  {"bailian": ("bailian_lambda", (0.9, 0.6)), "lmetric": ("lmetric_load_offset", (1.0,)),

@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from smetric_lmc.cli import Parser
-from smetric_lmc.replay.sim_cli import CALIBRATION
-from smetric_lmc.sim import cli
+from smetric_lmc.lab.replay.sim_cli import CALIBRATION
+from smetric_lmc.lab.sim import cli
 
 SUBS = ("run", "report", "map", "validate", "calibrate", "paper")
 

@@ -13,18 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smetric_lmc.mock_engine.cli import options, running_mocks
-from smetric_lmc.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
-from smetric_lmc.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens, write_profile
-from smetric_lmc.replay.ranking import rank_fields, rank_pairs, run_order, spread
-from smetric_lmc.replay.schedstat import (
+from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+from smetric_lmc.lab.replay.calibrate import VLLM_CPU_SERVER_DEFAULTS, Calibration, measure, scheduler_limits
+from smetric_lmc.lab.replay.compare import simulate_like, simulate_per_instance, with_kv_tokens, write_profile
+from smetric_lmc.lab.replay.ranking import rank_fields, rank_pairs, run_order, spread
+from smetric_lmc.lab.replay.schedstat import (
     CpuTime,
     measured_slowdowns,
     parse_schedstat,
     sample_engines,
     sample_group,
 )
-from smetric_lmc.replay.under_load import (
+from smetric_lmc.lab.replay.under_load import (
     Contention,
     LoadedFit,
     RequestPath,
@@ -37,8 +37,8 @@ from smetric_lmc.replay.under_load import (
     slowed,
     with_turnaround,
 )
-from smetric_lmc.replay.validate import measure_path, small_workload, summarize_repeats
-from smetric_lmc.sim.profile import load_profile
+from smetric_lmc.lab.replay.validate import measure_path, small_workload, summarize_repeats
+from smetric_lmc.lab.sim.profile import load_profile
 
 # Two lines as vLLM 0.32's API server logs them at startup (shortened; the dict is its repr).
 VLLM_LOG = (
@@ -279,7 +279,7 @@ def test_caches_are_reset_only_once_the_engine_has_no_request_holding_blocks() -
     engine that stays busy past the timeout is an error, not a silently skipped reset."""
     import aiohttp
 
-    from smetric_lmc.replay.validate import _reset_caches
+    from smetric_lmc.lab.replay.validate import _reset_caches
 
     async def serve() -> None:
         async with running_mocks(options(speed=2.0)) as mocks:

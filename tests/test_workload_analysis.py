@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smetric_lmc.workload import (
+from smetric_lmc.lab.workload import (
     WEKA_FIT,
     TraceRequest,
     TraceSession,
@@ -18,7 +18,7 @@ from smetric_lmc.workload import (
     save_native,
     synthetic,
 )
-from smetric_lmc.workload.cli import add_trace_subcommands, main
+from smetric_lmc.lab.workload.cli import add_trace_subcommands, main
 
 
 def _ids(*xs: int) -> np.ndarray:

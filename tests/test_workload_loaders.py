@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smetric_lmc.workload import (
+from smetric_lmc.lab.workload import (
     detect_format,
     load_any,
     load_bailian,
@@ -22,7 +22,7 @@ from smetric_lmc.workload import (
     save_native,
     synthetic,
 )
-from smetric_lmc.workload.chain import chain_session
+from smetric_lmc.lab.workload.chain import chain_session
 
 
 def _call(t: float, n_in: int, raw: list[int], *, out: int = 10, think: float = 1.0, kind: str = "n") -> dict:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from smetric_lmc.cli import main
-from smetric_lmc.workload import TraceRequest, TraceSession, Workload, analyze, save_native, synthetic
-from smetric_lmc.workload.presets import (
+from smetric_lmc.lab.workload import TraceRequest, TraceSession, Workload, analyze, save_native, synthetic
+from smetric_lmc.lab.workload.presets import (
     PAPER_TRACE1,
     TRACE1,
     nominal_rate,

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..tables import compacted
+from smetric_lmc.tables import compacted
 
 #: Pending entries (or orphan blocks) one ``expire`` call drops at most: a short slice of the
 #: loop even when a whole burst's prompts or a full cap of orphans fall due together.

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from smetric_lmc.replay.runner import ReplayConfig, replay
-from smetric_lmc.replay.validate import small_workload
-from smetric_lmc.sim.cluster import chained_lcp
+from smetric_lmc.lab.replay.runner import ReplayConfig, replay
+from smetric_lmc.lab.replay.validate import small_workload
+from smetric_lmc.lab.sim.cluster import chained_lcp
 
 pytestmark = pytest.mark.e2e
 
