@@ -19,7 +19,8 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 def _kv(struct: msgspec.Struct) -> str:
-    return " ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(struct).items())
+    # None: a deprecated spelling that was not given (its value, if any, moved to its new key)
+    return " ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(struct).items() if v is not None)
 
 
 def _lmcache_root(cfg: Config) -> str:

@@ -310,6 +310,11 @@ class Instance:
         n_dec = len(self.decoding)
         self.dec_ctx += k * n_dec
         self.sim.account(self.pos, t, k * n_dec)
+        self._decode_steps(k, t)
+        self.seg_cum = None
+
+    def _decode_steps(self, k: int, t: float) -> None:
+        """Every decoding request emits k tokens; those that reach their output length finish."""
         still: list[SimRequest] = []
         for r in self.decoding:
             r.decoded += k
@@ -319,22 +324,13 @@ class Instance:
             else:
                 still.append(r)
         self.decoding = still
-        self.seg_cum = None
 
     def _apply_mixed(self, t: float) -> None:
         self.iterations += 1
         n_dec = len(self.decoding)
         tokens = n_dec
-        still: list[SimRequest] = []
         self.dec_ctx += n_dec
-        for r in self.decoding:
-            r.decoded += 1
-            if r.decoded >= r.output:
-                self.dec_ctx -= r.input + r.decoded
-                self._finish(r, t)
-            else:
-                still.append(r)
-        self.decoding = still
+        self._decode_steps(1, t)
         finished_prefill: list[SimRequest] = []
         for r, n in self.seg_chunks:
             r.todo -= n
