@@ -144,7 +144,7 @@ def test_pending_prompts_expire_on_an_idle_index_and_release_their_tables() -> N
     assert kept < 20_000, f"{kept} B kept after {peak} B of pending prompts expired"
 
 
-@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+@pytest.mark.skipif(memory.heap_info() is None, reason="glibc >= 2.33 (mallinfo2)")
 def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
     tr = memory.Trimmer(min_free=4 << 20)
     tr.trim_now()  # whatever the test process freed before
@@ -207,7 +207,7 @@ def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
     assert not p.by_anchor and not p.by_last and not p.meta and p.credits(b) == []
 
 
-@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+@pytest.mark.skipif(memory.heap_info() is None, reason="glibc >= 2.33 (mallinfo2)")
 def test_trimmer_trims_at_least_every_max_skip_while_memory_is_free() -> None:
     tr = memory.Trimmer(min_free=1, max_skip_s=3600.0)
     tr.trim_now()
