@@ -166,6 +166,16 @@ class Gateway:
         self.reasons: dict[str, int] = {}  # answered requests by X-SMetric-Reason (the status page)
         self.sessions = SessionHints()  # add_header(): a deployment's own session header
 
+    @property
+    def route_client(self) -> AsyncRouteClient | None:
+        """The controller client (its ``failovers`` between replicas); None until the app has started."""
+        return self._client
+
+    @property
+    def prompt_reader(self) -> PromptReader | None:
+        """The prompt tokenizer/estimator (``estimator.observations``); None until the app has started."""
+        return self._reader
+
     # ---- instances joining and leaving at run time (the drop-in router's discovery) -------------
     def has_instance(self, iid: str) -> bool:
         return iid in self._by_id

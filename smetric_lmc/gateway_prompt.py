@@ -191,6 +191,11 @@ class PromptReader:
             self._metrics.untokenized.inc()
         return None
 
+    @property
+    def urls(self) -> list[str]:
+        """The engines' tokenize base URLs in use (a copy)."""
+        return list(self._urls)
+
     def add_url(self, url: str) -> None:
         """Tokenize with one more engine (it joined a running gateway)."""
         url = url.rstrip("/")

@@ -373,6 +373,12 @@ class LoadTracker:
     def __len__(self) -> int:
         return len(self._requests) - self._dead
 
+    @property
+    def draining(self) -> int:
+        """Entries of removed instances still held, left for later :meth:`drain` slices (not in
+        ``len``: they count as no instance's load)."""
+        return self._dead
+
 
 class AlignedLoads:
     """A tracker's loads in the aligned instance order (:meth:`LoadTracker.aligned`), read live:

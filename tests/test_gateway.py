@@ -157,7 +157,7 @@ async def test_untokenized_history_is_estimated_by_the_one_calibrated_estimator(
     true = len(tokens_of(render(msgs[:3], False)))  # what the served tokenizer would count
     est = int(resp.headers["X-SMetric-Est-Hit"])
     assert abs(est - true) <= 0.15 * true, (est, true)
-    assert s.gateway._reader is not None and s.gateway._reader.estimator.observations >= 6
+    assert s.gateway.prompt_reader is not None and s.gateway.prompt_reader.estimator.observations >= 6
 
 
 async def test_5xx_is_retried_once_on_another_instance(make_stack: StackFactory) -> None:
@@ -193,16 +193,16 @@ async def test_connect_error_is_retried_and_both_failing_gives_502(make_stack: S
 async def test_controller_down_falls_back_to_round_robin(make_stack: StackFactory) -> None:
     s: Stack = await make_stack(controller=False)
     seen = []
-    assert s.gateway._client is not None
+    assert s.gateway.route_client is not None
     asked = 0
-    route = s.gateway._client.route
+    route = s.gateway.route_client.route
 
     async def counting_route(*a: Any, **kw: Any) -> Any:
         nonlocal asked
         asked += 1
         return await route(*a, **kw)
 
-    s.gateway._client.route = counting_route  # type: ignore[method-assign]
+    s.gateway.route_client.route = counting_route  # type: ignore[method-assign]
     for _ in range(4):
         resp = await s.chat(MSGS)
         assert resp.status == 200
@@ -313,12 +313,12 @@ async def test_gateway_errors_are_json_in_openai_shape(make_stack: StackFactory)
             assert resp.status == status and resp.content_type == "application/json"
             err = (await resp.json())["error"]
             assert err["code"] == status and err["type"] == "invalid_request_error" and err["message"]
-    assert s.gateway._reader is not None
+    assert s.gateway.prompt_reader is not None
 
     async def broken(*_a: Any, **_kw: Any) -> Any:
         raise RuntimeError("tokenizer exploded")
 
-    s.gateway._reader.read = broken  # type: ignore[method-assign]
+    s.gateway.prompt_reader.read = broken  # type: ignore[method-assign]
     resp = await s.chat(MSGS)
     assert resp.status == 500 and resp.content_type == "application/json"
     err = (await resp.json())["error"]
@@ -344,7 +344,7 @@ async def test_gateway_fails_over_to_a_controller_replica(make_stack: StackFacto
         resp = await s.chat(MSGS)
         assert resp.status == 200 and "X-SMetric-Fallback" not in resp.headers
         assert resp.headers["X-SMetric-Reason"] != "gateway_round_robin"
-    assert s.gateway._client is not None and s.gateway._client.failovers == 1
+    assert s.gateway.route_client is not None and s.gateway.route_client.failovers == 1
     await s.wait_dones(3)
     assert s.controller is not None and len(s.controller.load) == 0
 

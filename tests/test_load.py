@@ -103,14 +103,14 @@ def test_a_removed_instance_is_forgotten_in_slices_and_its_entries_are_dead_mean
         lt.on_route(f"a{k}", "a", 100)
         lt.on_route(f"b{k}", "b", 100)
     lt.remove_instance("a", budget=3)
-    assert len(lt) == 10 and lt._dead == 7  # 3 forgotten now, 7 left for later slices
+    assert len(lt) == 10 and lt.draining == 7  # 3 forgotten now, 7 left for later slices
     assert not lt.on_done("a9") and lt.stats["unknown_done"] == 1  # dead: not released twice
     assert not lt.on_prefilled("a8") and lt.instance_of("a7") is None
     lt.on_route("a8", "a", 50)  # the instance is back; a dead id routed again is a new entry
     assert lt.loads(["a", "b"]) == [1.0, 10.0] and lt.unprefilled("a") == 50 and len(lt) == 11
     while lt.drain(2):
         pass
-    assert lt._dead == 0 and len(lt) == 11 and lt.instance_of("a8") == "a"
+    assert lt.draining == 0 and len(lt) == 11 and lt.instance_of("a8") == "a"
     assert lt.on_done("a8") and lt.loads(["a"]) == [0.0]
 
 

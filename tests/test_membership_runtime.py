@@ -70,10 +70,10 @@ async def test_poller_and_prompt_reader_follow_joining_and_leaving_engines() -> 
             reader = PromptReader([], http)
             reader.add_url(url + "/")
             reader.add_url(url)  # the same engine: once
-            assert reader._order() == [url]
+            assert reader.urls == [url]
             reader.remove_url(url)
             reader._observe(url, 0.5)  # a tokenize call that ended after its engine left
-            assert reader._urls == []
+            assert reader.urls == []  # not added back
     finally:
         await poller.close()
         await engine.stop()

@@ -117,7 +117,7 @@ async def test_first_frame_equals_real_vllm_for_the_same_prompt(vllm_fixture: di
             _, usage = await _complete(http, info.http_url, {"prompt": req["prompt_token_ids"], "max_tokens": 4})
             assert usage["prompt_tokens"] == len(req["prompt_token_ids"])
             await wait_for(lambda: sub.stats.batches >= 1, what="first batch")
-    payload = core.publisher._buffer[0][1]  # type: ignore[union-attr]
+    payload = core.publisher.buffered()[0][1]  # type: ignore[union-attr]
     ours = decode_payload(payload)
     assert ours.events == recorded.events
     assert payload == encode_batch([_rebuild(e) for e in recorded.events], ours.ts)
@@ -188,7 +188,7 @@ async def test_reset_prefix_cache_clears_the_engine_and_its_mirror() -> None:
             _, cold = await _complete(http, info.http_url, {"prompt": prompt, "max_tokens": 2})
             assert cold["prompt_tokens_details"]["cached_tokens"] == 0
             await wait_for(lambda: sink.blocks == core.cached_block_hashes() != set(), what="mirror after reset")
-    frames = [decode_payload(p) for _, p in core.publisher._buffer]  # type: ignore[union-attr]
+    frames = [decode_payload(p) for _, p in core.publisher.buffered()]  # type: ignore[union-attr]
     assert sum(type(e).__name__ == "AllBlocksCleared" for f in frames for e in f.events) == 1
 
 

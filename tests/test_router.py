@@ -133,7 +133,8 @@ def test_every_policy_decides_as_on_the_dense_view():
             elif op < 0.4:
                 ix.lmcache_admit(inst, fast_chain(p, 64))
             elif op < 0.5:
-                r.load.on_done(rng.choice(list(r.load._requests) or ["none"]))
+                live = [f"q{k}" for k in range(step) if r.load.instance_of(f"q{k}") is not None]  # in flight
+                r.load.on_done(rng.choice(live or ["none"]))
             blocks, chunks = fast_chain(p, 16), fast_chain(p, 64)
             turn = rng.choice((None, 0, 1))
             found = ix.lookup(blocks, chunks)

@@ -14,7 +14,7 @@ prefill, recomputing the whole context elsewhere. Waiting burns no GPU time and 
 the saturation knee, where max TPS within SLO is measured, a wait only costs throughput once it breaks
 the request's TTFT SLO. So the queue is priced only past a slack of half the SLO's budget (the
 other half is the request's own prefill): with it that cell went to 0.93x (0.80/1.06 over two
-seeds), the others within +-0.02 (bench/map_cells.py).
+seeds), the others within +-0.02 (bench/sim.py --map-cells).
 
 What the decision traces showed next (trace1 map, no global tier, x = 0.05, seed 1, where LMetric
 beat it by 12%): at its peak the variant moved 22% of requests off their holder as overloaded, each

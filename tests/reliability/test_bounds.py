@@ -112,13 +112,19 @@ class _Sink:
         pass
 
 
-def _server(**kw: object) -> LMCacheWorkerServer:
-    return LMCacheWorkerServer(_Sink(), resolve_instance=lambda lmc, _w: lmc if lmc.startswith("inst") else None,
+def _server(sink: _Sink | None = None, **kw: object) -> LMCacheWorkerServer:
+    return LMCacheWorkerServer(_Sink() if sink is None else sink,  # type: ignore[arg-type]
+                               resolve_instance=lambda lmc, _w: lmc if lmc.startswith("inst") else None,
                                full_sync_on_start=False, **kw)  # type: ignore[arg-type]
 
 
 def _ask(server: LMCacheWorkerServer, msg: msgspec.Struct) -> P.ReplyMsg:
     return server._on_request_frame(P.encode(msg), False)
+
+
+def _push(server: LMCacheWorkerServer, msg: msgspec.Struct) -> None:
+    """One frame as the PULL socket hands it over (the handler; no socket needed)."""
+    server._on_push_frame(P.encode(msg))
 
 
 def _register(server: LMCacheWorkerServer, lmc: str, wid: int) -> P.ReplyMsg:
@@ -134,10 +140,10 @@ def test_full_sync_batch_count_is_bounded() -> None:
     ok = _ask(server, P.FullSyncStartMsg(sync_id="s2", batch_count=50_000, **start))
     assert isinstance(ok, P.FullSyncStartRetMsg) and ok.accepted
     for b in (0, 1, 3):
-        server._on_push_frame(P.encode(P.FullSyncBatchMsg(instance_id="inst-a", worker_id=0, location="L",
-                                                          sync_id="s2", batch_id=b, keys=[b])))
-    server._on_push_frame(P.encode(P.FullSyncBatchMsg(instance_id="inst-a", worker_id=0, location="L",
-                                                      sync_id="s2", batch_id=10**9, keys=[1])))
+        _push(server, P.FullSyncBatchMsg(instance_id="inst-a", worker_id=0, location="L",
+                                                          sync_id="s2", batch_id=b, keys=[b]))
+    _push(server, P.FullSyncBatchMsg(instance_id="inst-a", worker_id=0, location="L",
+                                                      sync_id="s2", batch_id=10**9, keys=[1]))
     status = _ask(server, P.FullSyncStatusMsg(instance_id="inst-a", worker_id=0, sync_id="s2"))
     assert isinstance(status, P.FullSyncStatusRetMsg)
     # A window from the first gap, not every missing batch of the 50,000.
@@ -159,9 +165,9 @@ def test_holdings_slots_are_allocated_in_constant_time_and_reused() -> None:
 def test_ghost_workers_are_capped_and_expire() -> None:
     server = _server(max_workers=10, max_sources_per_instance=4, worker_timeout_s=0.05)
     for i in range(30):  # ids nothing maps to
-        server._on_push_frame(P.encode(P.BatchedKVOperationMsg(
+        _push(server, P.BatchedKVOperationMsg(
             instance_id=f"ghost-{i}", worker_id=i, location="L",
-            operations=[P.KVOpEvent(op_type="admit", key=i, seq_num=0)])))
+            operations=[P.KVOpEvent(op_type="admit", key=i, seq_num=0)]))
     assert len(server.workers()) == 10 and server.stats["workers_refused"] == 20
     # Real workers have a share of their own: the ghosts do not lock them out.
     assert isinstance(_register(server, "inst-a", 0), P.RegisterRetMsg)
@@ -176,16 +182,17 @@ def test_ghost_workers_are_capped_and_expire() -> None:
 
 
 def test_deregistration_frees_the_workers_source_slot() -> None:
-    server = _server(max_sources_per_instance=1)
+    sink = _Sink()
+    server = _server(sink, max_sources_per_instance=1)
     _register(server, "inst-a", 0)
     ops = [P.KVOpEvent(op_type="admit", key=9, seq_num=0)]
-    server._on_push_frame(P.encode(P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=0, location="L", operations=ops)))
-    assert server._sink.chunks["inst-a"] == {9}  # type: ignore[attr-defined]
-    server._on_push_frame(P.encode(P.DeRegisterMsg(instance_id="inst-a", worker_id=0, ip="x", port=1)))
-    assert server._sink.chunks["inst-a"] == set()  # type: ignore[attr-defined]
+    _push(server, P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=0, location="L", operations=ops))
+    assert sink.chunks["inst-a"] == {9}
+    _push(server, P.DeRegisterMsg(instance_id="inst-a", worker_id=0, ip="x", port=1))
+    assert sink.chunks["inst-a"] == set()
     _register(server, "inst-a", 1)
-    server._on_push_frame(P.encode(P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=1, location="L", operations=ops)))
-    assert server._sink.chunks["inst-a"] == {9} and server.stats["sources_refused"] == 0  # type: ignore[attr-defined]
+    _push(server, P.BatchedKVOperationMsg(instance_id="inst-a", worker_id=1, location="L", operations=ops))
+    assert sink.chunks["inst-a"] == {9} and server.stats["sources_refused"] == 0
 
 
 def test_lmcache_deep_nesting_is_a_protocol_error() -> None:

@@ -199,14 +199,25 @@ def test_a_daemonic_process_answers_large_frames_on_the_loop_and_counts_them() -
 
 
 def test_in_flight_entries_are_not_tracked_by_the_cyclic_gc() -> None:
-    # Each tracked entry lengthens every full collection, which stops the event loop.
+    # Each tracked entry lengthens every full collection, which stops the event loop. The young
+    # generation's count is what the collector will have to traverse: routes must not add to it.
     import gc
 
     from smetric_lmc.load import LoadTracker
 
     load = LoadTracker(expire_s=30.0)
-    load.on_route("x", "a", 100)
-    assert not gc.is_tracked(load._requests["x"])
+    load.on_route("warm", "a", 100)  # the per-instance maps and the first cohort exist
+    gc.disable()  # no collection may reset the count while we read it
+    try:
+        gc.collect()
+        before = gc.get_count()[0]
+        for k in range(2_000):
+            load.on_route(f"r{k}", "a", 100)
+        grown = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert len(load) == 2_001
+    assert grown < 100, f"{grown} GC-tracked objects kept by 2,000 in-flight requests"
 
 
 async def test_the_controller_freezes_its_start_up_objects_out_of_the_gc() -> None:

@@ -49,43 +49,62 @@ def test_pinned_mmap_threshold_returns_freed_buffers() -> None:
 # ---- tables that shrank, pending prompts on an idle controller, the trim gate ----------------------
 
 
+def _traced() -> int:
+    import tracemalloc
+
+    return tracemalloc.get_traced_memory()[0]
+
+
 def test_load_tracker_releases_its_tables_after_a_drop() -> None:
     """A dict never shrinks on deletion: the tracker's request maps must be rebuilt once most of a
-    burst has left (before: 5 MB of table kept after 100 k requests expired)."""
-    import sys as _sys
+    burst has left (before: 5 MB of table kept after 100 k requests expired). Measured as the bytes
+    still allocated (tracemalloc) once the burst is gone: the entries and ids go either way, so what
+    stays is the tables."""
+    import tracemalloc
 
     from smetric_lmc.load import LoadTracker
 
     t = [0.0]
-    lt = LoadTracker(lambda: t[0], expire_s=30.0)
-    for k in range(100_000):
-        lt.on_route(f"r{k}", f"i{k % 4}", 256)
-    peak = _sys.getsizeof(lt._requests)
-    t[0] = 100.0
-    while lt.expire():
-        pass
+    tracemalloc.start()
+    try:
+        lt = LoadTracker(lambda: t[0], expire_s=30.0)
+        base = _traced()
+        for k in range(100_000):
+            lt.on_route(f"r{k}", f"i{k % 4}", 256)
+        peak = _traced() - base
+        t[0] = 100.0
+        while lt.expire():
+            pass
+        kept = _traced() - base
+    finally:
+        tracemalloc.stop()
     assert len(lt) == 0 and lt.stats["expired"] == 100_000
-    assert peak > 1_000_000
-    assert _sys.getsizeof(lt._requests) < 10_000, _sys.getsizeof(lt._requests)
-    assert max(_sys.getsizeof(m) for m in (*lt._of.values(), *lt._queued.values())) < 10_000
+    assert peak > 5_000_000, peak
+    assert kept < 100_000, f"{kept} B kept after a {peak} B burst expired"
     lt.on_route("after", "i0", 10)  # still a working tracker
     assert lt.instance_of("after") == "i0" and lt.in_flight("i0") == 1
 
 
 def test_load_tracker_compacts_on_done_too() -> None:
-    import sys as _sys
+    import tracemalloc
 
     from smetric_lmc.load import LoadTracker
 
-    lt = LoadTracker(lambda: 0.0)
-    for k in range(50_000):
-        lt.on_route(f"r{k}", "a", 1)
-    peak = _sys.getsizeof(lt._requests)
-    for k in range(49_990):
-        assert lt.on_done(f"r{k}")
+    tracemalloc.start()
+    try:
+        lt = LoadTracker(lambda: 0.0)
+        base = _traced()
+        for k in range(50_000):
+            lt.on_route(f"r{k}", "a", 1)
+        peak = _traced() - base
+        for k in range(49_990):
+            assert lt.on_done(f"r{k}")
+        kept = _traced() - base
+    finally:
+        tracemalloc.stop()
     assert len(lt) == 10 and lt.in_flight("a") == 10
-    # Checked every COMPACT_EVERY releases: the table fits what was left at the last check.
-    assert _sys.getsizeof(lt._requests) < peak / 10, (_sys.getsizeof(lt._requests), peak)
+    # Checked every COMPACT_EVERY releases: the tables fit what was left at the last check.
+    assert kept < peak / 10, (kept, peak)
     assert lt.on_done("r49995") and lt.in_flight("a") == 9
 
 
@@ -93,33 +112,39 @@ def test_pending_prompts_expire_on_an_idle_index_and_release_their_tables() -> N
     """Before: pending prompts expired only on ingest or lookups, so an idle controller kept a
     busy spell's prompts (and their tables) for good; the maintenance loop now sees them due."""
     import random
-    import sys as _sys
+    import tracemalloc
 
     from smetric_lmc.index import TierIndex
 
     t = [0.0]
-    ix = TierIndex(16, 256, clock=lambda: t[0])
-    ix.register_instance("a")
     rng = random.Random(3)
-    for _ in range(20_000):
-        assert ix.add_pending("a", [rng.getrandbits(63) for _ in range(4)])
-    p = ix._pending
-    peak = _sys.getsizeof(p.by_last)
-    assert not ix.needs_maintenance
-    t[0] = ix._pending.ttl_s + 1.0
-    assert ix.needs_maintenance
-    rounds = 0
-    while ix.needs_maintenance:  # what the controller's maintenance loop does, a slice at a time
-        ix.maintain()
-        rounds += 1
+    prompts = [[rng.getrandbits(63) for _ in range(4)] for _ in range(20_000)]
+    tracemalloc.start()
+    try:
+        ix = TierIndex(16, 256, clock=lambda: t[0], pending_ttl_s=30.0)
+        ix.register_instance("a")
+        base = _traced()
+        for blocks in prompts:
+            assert ix.add_pending("a", blocks)
+        peak = _traced() - base
+        assert not ix.needs_maintenance and ix.stats["pending_open"] == 20_000
+        t[0] = 31.0
+        assert ix.needs_maintenance
+        rounds = 0
+        while ix.needs_maintenance:  # what the controller's maintenance loop does, a slice at a time
+            ix.maintain()
+            rounds += 1
+        kept = _traced() - base
+    finally:
+        tracemalloc.stop()
     assert rounds > 1  # sliced: 20 k due at once are not dropped in one call
-    assert not ix._pending
-    assert p.expired == 20_000 and not p.queue
-    assert peak > 500_000
-    assert max(_sys.getsizeof(d) for d in (ix._pending.by_last, ix._pending.meta, ix._pending.by_anchor)) < 10_000
+    stats = ix.stats
+    assert stats["pending_expired"] == 20_000 and stats["pending_open"] == 0
+    assert peak > 500_000, peak
+    assert kept < 20_000, f"{kept} B kept after {peak} B of pending prompts expired"
 
 
-@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+@pytest.mark.skipif(memory.heap_info() is None, reason="glibc >= 2.33 (mallinfo2)")
 def test_trimmer_trims_only_after_frees_and_times_each_call() -> None:
     tr = memory.Trimmer(min_free=4 << 20)
     tr.trim_now()  # whatever the test process freed before
@@ -182,7 +207,7 @@ def test_pending_files_one_prompt_per_anchor_without_a_container() -> None:
     assert not p.by_anchor and not p.by_last and not p.meta and p.credits(b) == []
 
 
-@pytest.mark.skipif(memory._libc() is None or not hasattr(memory._libc(), "mallinfo2"), reason="glibc >= 2.33")
+@pytest.mark.skipif(memory.heap_info() is None, reason="glibc >= 2.33 (mallinfo2)")
 def test_trimmer_trims_at_least_every_max_skip_while_memory_is_free() -> None:
     tr = memory.Trimmer(min_free=1, max_skip_s=3600.0)
     tr.trim_now()

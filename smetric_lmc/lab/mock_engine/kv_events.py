@@ -106,6 +106,10 @@ class KVEventPublisher:
         self.batches += 1
         return seq
 
+    def buffered(self) -> list[tuple[int, bytes]]:
+        """The batches kept for replay requests, (seq, payload), oldest first."""
+        return list(self._buffer)
+
     async def _serve_replay(self) -> None:
         assert self._replay is not None
         while True:
@@ -116,7 +120,7 @@ class KVEventPublisher:
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.replays += 1
-            for seq, payload in list(self._buffer):
+            for seq, payload in self.buffered():
                 if seq >= start_seq:
                     await self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
             await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -86,14 +86,14 @@ HELD_OUT = """### Held-out seeds and resolution
 
 `smetric_ect`'s no-global weights were chosen on the map's seeds 0 and 1 (none row and the 0.4 row at
 x ≥ 0.3, where they change decisions). On seeds 3 and 4, which no choice saw,
-`python bench/map_cells.py none@0.05,none@0.3,0.4@0.3,0.4@0.6 --seeds 3,4` printed `smetric_ect` ÷ best
+`python bench/sim.py --map-cells none@0.05,none@0.3,0.4@0.3,0.4@0.6 --seeds 3,4` printed `smetric_ect` ÷ best
 baseline 1.000 ± 0.00, 1.000 ± 0.00, 1.030 ± 0.07 (dynamo best), 1.155 ± 0.14 (load_balance best), and
 ÷ SMetric 1.095, 0.991, 1.053, 1.097: on the held-out pair of none @ x = 0.29 SMetric beat LMetric (1.012 ±
 0.08) and the variant, equal to LMetric there, sits 0.9% under SMetric, within that cell's noise.
 
 Resolution: the map runs three seeds (the report took 29 min here with `--jobs 2`, 20 min with two seeds
 before every policy also ran at the other policies' peak loads). More instances per cell were the other
-option: on none @ x = 0.05, 16 instances over seeds 0-3 (`python bench/map_cells.py none@0.05 --seeds
+option: on none @ x = 0.05, 16 instances over seeds 0-3 (`python bench/sim.py --map-cells none@0.05 --seeds
 0,1,2,3 --instances 16`) gave SMetric's per-seed ratio a standard deviation of 0.05, against 0.04 on 8
 instances over seeds 3 and 4, at about twice the time per run: seeds bought more resolution per minute.
 """
