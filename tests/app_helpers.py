@@ -73,6 +73,7 @@ class RecordedEngine:
         self.pub_port, self.replay_port = free_port(), free_port()
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # a storm must not be dropped at the publisher
         self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)

@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from app_helpers import RecordedEngine
 from helpers import wait_for
 from kit import hostile
-from services import free_port
 
 from smetric_lmc.client import AsyncRouteClient
 from smetric_lmc.config import parse_config
@@ -45,36 +45,10 @@ LIMITS = {
 }
 
 
-class StandInEngine:
-    """The engine side of vLLM's KV events: an XPUB we publish on and a replay ROUTER."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.pub_port, self.replay_port = free_port(), free_port()
-        self.pub = ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
-        self.replay = ctx.socket(zmq.ROUTER)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
-        self._task = asyncio.create_task(self._serve_replay())
-
-    async def _serve_replay(self) -> None:
-        while True:  # nothing buffered: every replay ends at once
-            ident, empty, *_ = await self.replay.recv_multipart()
-            await self.replay.send_multipart([ident, empty, b"", END, b""])
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self.pub.close(linger=0)
-        self.replay.close(linger=0)
-
-
 @pytest.fixture
-async def stack() -> AsyncIterator[tuple[ControllerApp, StandInEngine]]:
+async def stack() -> AsyncIterator[tuple[ControllerApp, RecordedEngine]]:
     ctx = zmq.asyncio.Context()
-    engine = StandInEngine(ctx)
+    engine = RecordedEngine([], ctx)  # nothing recorded: every replay ends at once
     cfg = {**hostile.target_config("tiny", BS, engine.pub_port, engine.replay_port), "limits": LIMITS}
     app = ControllerApp(parse_config(cfg))
     await app.start()
@@ -127,7 +101,7 @@ async def exchange(sock: zmq.asyncio.Socket, messages: list[list[bytes]], window
     return replies
 
 
-async def test_route_storm_every_request_answered(stack: tuple[ControllerApp, StandInEngine]) -> None:
+async def test_route_storm_every_request_answered(stack: tuple[ControllerApp, RecordedEngine]) -> None:
     app, _ = stack
     rng = random.Random(11)
     messages = [hostile.route_message(rng, k) for k in hostile.storm_kinds(rng, 3000, huge_share=0.003)]
@@ -144,7 +118,7 @@ async def test_route_storm_every_request_answered(stack: tuple[ControllerApp, St
     await valid_route_works(app)
 
 
-async def test_lmcache_storm_leaves_registry_bounded(stack: tuple[ControllerApp, StandInEngine]) -> None:
+async def test_lmcache_storm_leaves_registry_bounded(stack: tuple[ControllerApp, RecordedEngine]) -> None:
     app, _ = stack
     server = app.lmcache_server
     rng = random.Random(12)
@@ -182,7 +156,7 @@ async def test_lmcache_storm_leaves_registry_bounded(stack: tuple[ControllerApp,
     await valid_route_works(app)
 
 
-async def test_kv_event_storm_then_valid_events_apply(stack: tuple[ControllerApp, StandInEngine]) -> None:
+async def test_kv_event_storm_then_valid_events_apply(stack: tuple[ControllerApp, RecordedEngine]) -> None:
     app, engine = stack
     sub = app.subscribers["a"]
     rng = random.Random(13)
@@ -221,7 +195,7 @@ async def test_kv_event_storm_then_valid_events_apply(stack: tuple[ControllerApp
     alive(app)
 
 
-async def test_slow_replay_peer_is_cut_at_the_deadline(stack: tuple[ControllerApp, StandInEngine]) -> None:
+async def test_slow_replay_peer_is_cut_at_the_deadline(stack: tuple[ControllerApp, RecordedEngine]) -> None:
     # A replay peer that trickles one batch just inside the per-batch timeout is cut at the
     # total deadline, and live ingest resumes.
     app, engine = stack

@@ -16,13 +16,25 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 # (chain, start, end): chain[start:end] left the cache
 RemovedFn = Callable[[np.ndarray, int, int], None]
 
+
+
+def first_mismatch(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray, lo: int, hi: int) -> int:
+    """The first index in (lo, hi] where prefix-chained ``a`` and ``b`` differ, given that they
+    agree at ``lo`` and differ at ``hi`` (chained ids: once they differ they stay different)."""
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[mid] == b[mid]:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 class Node:
     __slots__ = ("chain", "s", "e", "parent", "children", "ref", "last", "stamp", "alive")
@@ -75,15 +87,7 @@ class PrefixCache:
                     break
                 continue
             # Diverges inside the child: first mismatch in (pos, end-1] by bisection.
-            lo, hi = pos, end - 1  # chain[lo] matches, chain[hi] does not
-            ch = child.chain
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if ch[mid] == blocks[mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            return child, hi
+            return child, first_mismatch(child.chain, blocks, pos, end - 1)
         return node, pos
 
     def match_exact(self, blocks: np.ndarray) -> tuple[Node, int]:

@@ -22,7 +22,7 @@ import numpy as np
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.index import TierIndex
 from smetric_lmc.lab.sim import prices_hook
-from smetric_lmc.lab.sim.cache import PrefixCache
+from smetric_lmc.lab.sim.cache import PrefixCache, first_mismatch
 from smetric_lmc.lab.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.lab.sim.engine import Instance
 from smetric_lmc.lab.sim.global_tier import GlobalTier, Links
@@ -51,14 +51,7 @@ def chained_lcp(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     if a[n - 1] == b[n - 1]:
         return n
-    lo, hi = 0, n - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if a[mid] == b[mid]:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return first_mismatch(a, b, 0, n - 1)
 
 
 def shared_depths(workload: Workload) -> dict[str, int]:
