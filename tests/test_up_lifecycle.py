@@ -78,9 +78,18 @@ def test_down_ends_every_part_even_after_kill_9_of_up(tmp_path: Path) -> None:
         status = _smetric("status", env=env)
         assert status.returncode == 0 and "running" in status.stdout and f":{port}" in status.stdout, status.stdout
 
+        # The parts are told of their parent's death (SIGTERM) and exit on their own; a hung part
+        # cannot act on it (stopped here, so the signal waits): that one `smetric down` must end.
+        hung = st["groups"]["gateway"]
+        os.killpg(hung, signal.SIGSTOP)
         proc.kill()  # kill -9: no chance to stop its children
         proc.wait(timeout=10)
-        assert all(_group_alive(g) for g in groups)  # orphans now, holding the ports
+        others = [g for g in groups if g != hung]
+        deadline = time.monotonic() + 20
+        while any(_group_alive(g) for g in others) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_group_alive(g) for g in others), "parts outlived their SIGKILLed parent"
+        assert _group_alive(hung)  # an orphan now, holding the gateway port
         orphaned = _smetric("status", env=env)
         assert "outlived smetric up" in orphaned.stdout, orphaned.stdout
 

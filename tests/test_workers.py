@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,39 @@ def test_engine_process_waits_for_health_and_kills_the_group(tmp_path: Path) -> 
         time.sleep(0.05)
     assert not _alive(child), "SIGTERM-ignoring grandchild survived stop()"
     assert proc.poll() is not None
+
+
+ORPHANING_PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from smetric_lmc.workers import launch
+    group = launch.ProcessGroup([sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]), "child")
+    group.start()
+    print(group.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_started_process_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
+    # A runner killed with SIGKILL gets no chance to stop its children; the kernel tells them instead.
+    parent = subprocess.Popen([sys.executable, "-c", ORPHANING_PARENT, str(tmp_path / "child.log")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the child outlived its SIGKILLed parent"
 
 
 def test_engine_process_reports_early_exit_with_log_tail(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import logging
@@ -367,8 +369,35 @@ def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent thread exits
+
+
+def _pdeathsig_setter() -> Any:
+    """A pre-exec hook that makes the child get SIGTERM when its parent dies, SIGKILL included.
+
+    Without it, a test runner or `smetric up` killed with SIGKILL leaves its controller, gateway and
+    engines running (their own sessions shield them from the terminal's signals). Linux only; libc is
+    resolved here, in the parent, so the hook in the forked child is one plain call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    term = int(signal.SIGTERM)
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, term, 0, 0, 0)
+
+    return hook
+
+
 class ProcessGroup:
-    """A child started in its own session (process group) that is stopped as a whole."""
+    """A child started in its own session (process group) that is stopped as a whole.
+
+    It is also told to exit when the process that started it dies. prctl ties that to the starting
+    *thread*, so start a long-lived child from a thread that lives as long as you need the child (the
+    main thread, or an executor thread that outlives it).
+    """
 
     def __init__(
         self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, name: str, cwd: Path | None = None
@@ -399,6 +428,7 @@ class ProcessGroup:
             stderr=subprocess.STDOUT,
             cwd=self.cwd,
             start_new_session=True,
+            preexec_fn=_pdeathsig_setter(),
         )
 
     def poll(self) -> int | None:
