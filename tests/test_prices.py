@@ -146,3 +146,30 @@ def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
     assert sim.price_feed.book.prices(sim.instances[0].iid).observations > 0
     # a baseline runs without one
     assert Simulator(toy(), cfg(), PolicyConfig(name="lmetric")).price_feed is None
+
+
+def test_decisions_compare_instances_at_the_cluster_price_unless_one_differs_significantly() -> None:
+    """Identical instances fitted on independent noisy reports differ by noise only: a decision that
+    takes the argmin over their own fits sends traffic to whichever is low (the winner's curse), so
+    decision_prices shrinks each to the pooled fit. An instance that is really dearer keeps its price."""
+    rng = np.random.default_rng(3)
+    slow = {**TRUE, "fetch_global_us": 160.0}  # instance "c": its fetch path is 4x slower
+    book = PriceBook()
+    for a, b, c in zip(synthetic(rng, 1500, TRUE, 0.0), synthetic(rng, 1500, TRUE, 0.0), synthetic(rng, 1500, slow, 0.0)):
+        book.observe("a", a)
+        book.observe("b", b)
+        book.observe("c", c)
+    own = [book.prices(i).queue_us_per_tok for i in "ab"]
+    shrunk = [book.decision_prices(i).queue_us_per_tok for i in "ab"]
+    assert own[0] != own[1]  # the two fits differ by their noise
+    # shrunk towards the pool (equal where the difference is not significant), never further apart
+    assert abs(shrunk[0] - shrunk[1]) <= abs(own[0] - own[1])
+    assert book.decision_prices("c").fetch_global_us == pytest.approx(book.prices("c").fetch_global_us, rel=0.05)
+    assert book.decision_prices("c").fetch_global_us > 2 * book.decision_prices("a").fetch_global_us
+    # z = 0 turns shrinkage off; an instance with no reports yet gets the cluster's price
+    raw = PriceBook(EstimatorConfig(shrink_z=0.0))
+    raw.observe("a", synthetic(rng, 1, TRUE)[0])
+    assert raw.decision_prices("a") == raw.prices("a")
+    assert book.decision_prices("new") == book.pooled.prices()
+    with pytest.raises(ValueError, match="shrink_z"):
+        EstimatorConfig(shrink_z=-1.0)
