@@ -15,6 +15,8 @@ Four parts, each printed as it finishes, then ONE JSON line:
    adapt_s: the shortest time T after the step such that the stepped run's TPS within SLO over the
    rest of the run (from step + T, in 120 s windows, summed over the seeds) is within 5% of the
    started-slow run's; price_adapt_s: until the learned fetch price is within 20% of the new one.
+   The same pair is run with LMetric as a control: it prices nothing, so its adapt_s is what the
+   criterion costs a router that has nothing to learn (the cluster's own state, run-to-run noise).
 3. Simulator, the fetch-speed axis x global-tier provisioning: the regime map's knee search (as
    `smetric sim report`) per cell, every policy at its own knee; the learning variant ÷ the best
    baseline, ÷ LMetric, ÷ the fixed-price variant (smetric_ect_fixed: the same cost at the
