@@ -15,6 +15,8 @@ Four parts, each printed as it finishes, then ONE JSON line:
    adapt_s: the shortest time T after the step such that the stepped run's TPS within SLO over the
    rest of the run (from step + T, in 120 s windows, summed over the seeds) is within 5% of the
    started-slow run's; price_adapt_s: until the learned fetch price is within 20% of the new one.
+   The same pair is run with LMetric as a control: it prices nothing, so its adapt_s is what the
+   criterion costs a router that has nothing to learn (the cluster's own state, run-to-run noise).
 3. Simulator, the fetch-speed axis x global-tier provisioning: the regime map's knee search (as
    `smetric sim report`) per cell, every policy at its own knee; the learning variant ÷ the best
    baseline, ÷ LMetric, ÷ the fixed-price variant (smetric_ect_fixed: the same cost at the
@@ -55,7 +57,7 @@ from smetric_lmc.lab.workload.presets import preset_workload
 from smetric_lmc.prices import PriceFeed
 
 PROFILE = "qwen3-30b-a3b-h20"
-VARIANT, FIXED = "smetric_ect", "smetric_ect_fixed"
+VARIANT, FIXED, CONTROL = "smetric_ect", "smetric_ect_fixed", "lmetric"
 
 
 def log(msg: str) -> None:
@@ -174,15 +176,17 @@ def _tps_windows(sim: Simulator, w: float, end: float) -> np.ndarray:
     return np.bincount(idx, weights=tokens, minlength=k + 1)[:k] / w
 
 
-def _stepped_pair(a: argparse.Namespace, prof: Profile, seed: int) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]], float]:
+def _stepped_pair(a: argparse.Namespace, prof: Profile, seed: int,
+                  policy: str = VARIANT) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]], float]:
     """(TPS within SLO per window of the stepped run, of the started-slow run, the stepped run's
-    learned fetch price over time, the new true price) for one arrival seed."""
+    learned fetch price over time (empty for a policy that learns none), the new true price) for one
+    arrival seed."""
     wl = _workload(prof, 400, seed=seed)
     cfg = _cfg(a.adapt_instances, a.adapt_gbs, a.adapt_rate, a.window, seed=seed)
     step_at = 0.4 * a.window
-    stepped = Simulator(wl, cfg, PolicyConfig(name=VARIANT), prof)
+    stepped = Simulator(wl, cfg, PolicyConfig(name=policy), prof)  # type: ignore[arg-type]
     slow_fp = _slower(cfg.fetch(), 4.0)
-    assert stepped.gtier is not None and stepped.price_feed is not None
+    assert stepped.gtier is not None
     gt, feed = stepped.gtier, stepped.price_feed
     trace: list[tuple[float, float]] = []
 
@@ -190,13 +194,15 @@ def _stepped_pair(a: argparse.Namespace, prof: Profile, seed: int) -> tuple[np.n
         gt.fp = slow_fp
 
     def sample(t: float) -> None:
+        assert feed is not None
         trace.append((t, feed.book.pooled.prices().fetch_global_us))
         if t + 5.0 < a.window:
             stepped.push_call(t + 5.0, sample)
 
     stepped.push_call(step_at, step)
-    stepped.push_call(step_at, sample)
-    started_slow = Simulator(wl, cfg, PolicyConfig(name=VARIANT), prof)
+    if feed is not None:
+        stepped.push_call(step_at, sample)
+    started_slow = Simulator(wl, cfg, PolicyConfig(name=policy), prof)  # type: ignore[arg-type]
     assert started_slow.gtier is not None
     started_slow.gtier.fp = slow_fp
     stepped.run()
@@ -206,36 +212,55 @@ def _stepped_pair(a: argparse.Namespace, prof: Profile, seed: int) -> tuple[np.n
             true_fetch_us(prof, slow_fp)[0])
 
 
-def adapt(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
-    t0 = time.monotonic()
+def _adapt_s(x: np.ndarray, y: np.ndarray, first: int, w: float, step_at: float) -> float | None:
+    """The shortest time T after the step such that TPS within SLO over [step + T, end), summed, is
+    within 5% of the started-slow run's (single windows are +-10% noise even before the step: the
+    criterion is over the rest of the run, not each window)."""
+    for i in range(first, len(x)):
+        if y[i:].sum() > 0 and abs(x[i:].sum() / y[i:].sum() - 1) <= 0.05:
+            return round(i * w - step_at, 1)
+    return None
+
+
+def _adapt_policy(a: argparse.Namespace, prof: Profile, policy: str) -> dict[str, Any]:
     step_at, w = 0.4 * a.window, a.adapt_w
     xs, ys, price_s = [], [], []
     for sd in a.adapt_seeds:
-        x, y, trace, f_new = _stepped_pair(a, prof, sd)
+        x, y, trace, f_new = _stepped_pair(a, prof, sd, policy)
         xs.append(x)
         ys.append(y)
         price_s.append(next((t - step_at for t, v in trace if abs(v / f_new - 1) <= 0.2), math.nan))
-        log(f"[2] seed {sd}: stepped ÷ started-slow per window {[round(float(u / v), 3) if v else None for u, v in zip(x, y)]}")
+        log(f"[2] {policy} seed {sd}: stepped ÷ started-slow per window "
+            f"{[round(float(u / v), 3) if v else None for u, v in zip(x, y)]}")
     # paired runs, summed over seeds (the same arrivals in each pair)
     x, y = np.sum(xs, axis=0), np.sum(ys, axis=0)
     ratio = [float(u / v) if v > 0 else math.nan for u, v in zip(x, y)]
     first = int(math.ceil(step_at / w))
-    pre = [r for r in ratio[2:first] if r == r]  # before the step both runs differ only by noise (and the path)
-    # adapt_s: the shortest time T after the step such that TPS within SLO over [step + T, end),
-    # summed, is within 5% of the started-slow run's (single windows are +-10% noise even before the
-    # step: the criterion is over the rest of the run, not each window)
-    adapt_s: float | None = None
-    for i in range(first, len(ratio)):
-        if y[i:].sum() > 0 and abs(x[i:].sum() / y[i:].sum() - 1) <= 0.05:
-            adapt_s = i * w - step_at
-            break
-    out = {"adapt_s": None if adapt_s is None else round(adapt_s, 1),
-           "price_adapt_s": [None if v != v else round(v, 1) for v in price_s],
-           "tps_ratio_by_window": [round(r, 3) for r in ratio], "window_s": w, "step_at_s": step_at,
+    per_seed = [_adapt_s(u, v, first, w, step_at) for u, v in zip(xs, ys)]
+    return {"adapt_s": _adapt_s(x, y, first, w, step_at), "adapt_s_per_seed": per_seed,
+            "price_adapt_s": [None if v != v else round(v, 1) for v in price_s],
+            "tps_ratio_by_window": [round(r, 3) for r in ratio],
+            "tps_ratio_after_step": round(float(x[first:].sum() / y[first:].sum()), 4) if y[first:].sum() > 0 else None}
+
+
+def adapt(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
+    """The variant's adaptation, and the same measurement of LMetric as a control: LMetric prices
+    nothing, so its adapt_s is what the cluster's own state (queues, where the KV sits) and the
+    divergence of two runs at the knee cost this criterion with no learning at all."""
+    t0 = time.monotonic()
+    step_at, w = 0.4 * a.window, a.adapt_w
+    v = _adapt_policy(a, prof, VARIANT)
+    ctl = _adapt_policy(a, prof, CONTROL)
+    out = {**v, "control": CONTROL, "control_adapt_s": ctl["adapt_s"], "control_adapt_s_per_seed": ctl["adapt_s_per_seed"],
+           "control_tps_ratio_by_window": ctl["tps_ratio_by_window"],
+           "control_tps_ratio_after_step": ctl["tps_ratio_after_step"], "window_s": w, "step_at_s": step_at,
            "seeds": list(a.adapt_seeds), "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
-    log(f"[2] 4x slowdown at {step_at:.0f} s, {len(a.adapt_seeds)} seeds: TPS within SLO ÷ started-slow per "
-        f"{w:.0f} s window {out['tps_ratio_by_window']} (before the step, when the paths differ: {pre}); adapt_s "
-        f"{out['adapt_s']}; learned fetch price within 20% of the new one after {out['price_adapt_s']} s")
+    log(f"[2] 4x slowdown at {step_at:.0f} s, {len(a.adapt_seeds)} seeds: {VARIANT} TPS within SLO ÷ started-slow per "
+        f"{w:.0f} s window {v['tps_ratio_by_window']} (the first {int(math.ceil(step_at / w))} before the step); "
+        f"adapt_s {v['adapt_s']} (per seed {v['adapt_s_per_seed']}); after the step overall {v['tps_ratio_after_step']}; "
+        f"learned fetch price within 20% of the new one after {v['price_adapt_s']} s")
+    log(f"[2] control {CONTROL} (learns nothing): per window {ctl['tps_ratio_by_window']}; adapt_s {ctl['adapt_s']} "
+        f"(per seed {ctl['adapt_s_per_seed']}); after the step overall {ctl['tps_ratio_after_step']}")
     return out
 
 

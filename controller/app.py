@@ -338,9 +338,16 @@ class ControllerApp:
             timeout_s=self.cfg.load.metrics_timeout_s,
             on_result=self.membership.poll_result,
             probe_s=self.cfg.load.breaker_probe_s,
+            # the engines' inter-token latency teaches the decode slowdown per running request
+            on_tpot=self._observe_tpot,
         )
         self.membership.prober = self.poller
         self.supervisor.spawn("engine-metrics", self.poller.run)
+
+    def _observe_tpot(self, instance_id: str, tpot_s: float, running: float) -> None:
+        feed = self.router.prices  # read at each poll: a policy reload may have replaced it
+        if feed is not None:
+            feed.book.observe_tpot(instance_id, tpot_s, running)
 
     async def _maintain_loop(self) -> None:
         # Bulk changes leave work behind, done here a bounded slice at a time: rows a clear

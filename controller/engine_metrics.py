@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+#: vLLM's inter-token latency histogram (v1 engine), and its v0 name: one observation per output
+#: token after the first, so an interval's delta sum / delta count is its mean time per output token.
+ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 #: vLLM's /metrics is ~100 KiB; anything far larger is not an engine we understand.
 MAX_BODY_BYTES = 8 << 20
 RECONCILE_SLICE = 1024  # in-flight entries healed or inferred per slice of the loop (see LoadTracker.reconcile)
@@ -43,17 +46,33 @@ class EngineMetricsError(ValueError):
     """The body is not Prometheus text carrying vLLM's request gauges."""
 
 
-def parse_engine_counts(text: str) -> tuple[int, int | None]:
-    """(running + waiting, waiting) requests in a vLLM ``/metrics`` body; waiting None if absent."""
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """What one ``/metrics`` body says (summed over engines / data-parallel ranks)."""
+
+    requests: int  # running + waiting
+    waiting: int | None
+    running: float | None
+    itl_sum_s: float | None = None  # the inter-token latency histogram's running sum and count
+    itl_count: float | None = None
+
+
+def parse_engine_metrics(text: str) -> EngineSample:
+    """The request gauges (required) and the inter-token latency histogram (when exported)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
+    itl: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in (RUNNING, WAITING):
                 for sample in family.samples:
                     if sample.name == family.name:
                         totals[family.name] = totals.get(family.name, 0.0) + sample.value
+            elif family.name in ITL and not itl.keys() - {family.name + "_sum", family.name + "_count"}:
+                for sample in family.samples:  # the first of the two names present is read
+                    if sample.name in (family.name + "_sum", family.name + "_count"):
+                        itl[sample.name] = itl.get(sample.name, 0.0) + sample.value
     except (ValueError, TypeError, IndexError) as exc:  # the parser's ways of saying "not Prometheus text"
         raise EngineMetricsError(f"unparsable metrics: {exc}") from None
     if not totals:
@@ -62,7 +81,42 @@ def parse_engine_counts(text: str) -> tuple[int, int | None]:
         if v != v or v < 0:  # NaN or negative: an engine would never report that
             raise EngineMetricsError(f"invalid request count {v}")
     waiting = totals.get(WAITING)
-    return int(round(sum(totals.values()))), None if waiting is None else int(round(waiting))
+    isum = next((v for k, v in itl.items() if k.endswith("_sum")), None)
+    icount = next((v for k, v in itl.items() if k.endswith("_count")), None)
+    if isum is None or icount is None or not (isum >= 0 and icount >= 0):  # a half or a NaN: ignored
+        isum = icount = None
+    return EngineSample(int(round(sum(totals.values()))), None if waiting is None else int(round(waiting)),
+                        totals.get(RUNNING), isum, icount)
+
+
+def parse_engine_counts(text: str) -> tuple[int, int | None]:
+    """(running + waiting, waiting) requests in a vLLM ``/metrics`` body; waiting None if absent."""
+    s = parse_engine_metrics(text)
+    return s.requests, s.waiting
+
+
+class ItlDeltas:
+    """Per instance, the mean time per output token since the previous poll (the histogram's delta
+    sum / delta count) and the running requests then: what ``PriceBook.observe_tpot`` learns from.
+    A counter that went backwards (the engine restarted) only resets the baseline."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def update(self, instance_id: str, s: EngineSample) -> tuple[float, float] | None:
+        if s.itl_sum_s is None or s.itl_count is None or s.running is None:
+            return None
+        prev = self._last.get(instance_id)
+        self._last[instance_id] = (s.itl_sum_s, s.itl_count)
+        if prev is None:
+            return None
+        d_sum, d_count = s.itl_sum_s - prev[0], s.itl_count - prev[1]
+        if d_count <= 0 or d_sum <= 0:
+            return None
+        return d_sum / d_count, s.running
+
+    def forget(self, instance_id: str) -> None:
+        self._last.pop(instance_id, None)
 
 
 @dataclass(slots=True)
@@ -90,6 +144,7 @@ class EngineMetricsPoller:
         timeout_s: float | None = None,
         on_result: Callable[[str, bool], None] | None = None,
         probe_s: float = 0.25,
+        on_tpot: Callable[[str, float, float], None] | None = None,
     ) -> None:
         self.targets = {iid: url.rstrip("/") + "/metrics" for iid, url in targets.items()}
         self.load = load
@@ -98,6 +153,9 @@ class EngineMetricsPoller:
         # A poll must finish before the next one is due, or slow engines would pile up requests.
         self.timeout_s = timeout_s if timeout_s is not None else max(0.2, min(5.0, interval_s * 0.8))
         self.on_result = on_result
+        # (instance, mean s per output token since the last poll, running requests): the price estimator
+        self.on_tpot = on_tpot
+        self._itl = ItlDeltas()
         self.probe_s = min(probe_s, interval_s)
         self.state: dict[str, PollState] = {iid: PollState() for iid in targets}
         self._due: dict[str, float] = dict.fromkeys(targets, 0.0)  # monotonic time of each next poll
@@ -139,6 +197,7 @@ class EngineMetricsPoller:
         """Stop polling an engine; a poll of it in flight ends without being rescheduled."""
         self.targets.pop(instance_id, None)
         self._due.pop(instance_id, None)
+        self._itl.forget(instance_id)
 
     def probe_now(self, instance_id: str) -> None:
         """Poll ``instance_id`` at once (the next loop turn) instead of at its scheduled time."""
@@ -176,7 +235,7 @@ class EngineMetricsPoller:
 
         st.polls += 1
         try:
-            count, waiting = await self._fetch(url)
+            sample = await self._fetch(url)
         except (aiohttp.ClientError, asyncio.TimeoutError, EngineMetricsError, UnicodeDecodeError) as exc:
             self._failed(instance_id, st, f"{type(exc).__name__}: {exc}")
             return
@@ -186,8 +245,16 @@ class EngineMetricsPoller:
             return
         if st.ok is False:
             log.info("engine metrics: recovered instance=%s", instance_id)
+        count, waiting = sample.requests, sample.waiting
         st.ok = True
         st.consecutive_failures = 0
+        if self.on_tpot is not None:
+            got = self._itl.update(instance_id, sample)
+            if got is not None:
+                try:
+                    self.on_tpot(instance_id, *got)
+                except Exception:
+                    log.exception("engine metrics: tpot callback failed instance=%s", instance_id)
         st.engine_requests = count
         st.last_ok = time.monotonic()
         # Bounded slices (a poll after many lost done reports heals thousands), yielding between.
@@ -203,7 +270,7 @@ class EngineMetricsPoller:
                      instance_id, healed, count)
         self._notify(instance_id, True)
 
-    async def _fetch(self, url: str) -> tuple[int, int | None]:
+    async def _fetch(self, url: str) -> EngineSample:
         assert self._session is not None
         async with self._session.get(url) as resp:
             if resp.status != 200:
@@ -211,7 +278,7 @@ class EngineMetricsPoller:
             body = await resp.content.read(MAX_BODY_BYTES + 1)
             if len(body) > MAX_BODY_BYTES:
                 raise EngineMetricsError(f"body larger than {MAX_BODY_BYTES} bytes")
-        return parse_engine_counts(body.decode("utf-8"))
+        return parse_engine_metrics(body.decode("utf-8"))
 
     def _failed(self, instance_id: str, st: PollState, error: str) -> None:
         st.failures += 1

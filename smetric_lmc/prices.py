@@ -73,11 +73,16 @@ class EstimatorConfig:
     switch_rate: float = 0.05  # running update rate of each fit's prediction error
     switch_ratio: float = 0.8  # the slow fit adopts the fast one's state when its error is this much lower
     switch_after: int = 20  # observations at least between two adoptions
+    # an instance's own price counts in decisions only as far as it differs from the cluster's by more
+    # than z standard errors (2: the usual 95% test; 0 = each instance's own fit, unshrunk)
+    shrink_z: float = 2.0
     priors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_PRIORS))
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.forget <= 1.0:
             raise ValueError("forget must be within [0.5, 1]")
+        if not self.shrink_z >= 0:
+            raise ValueError("shrink_z must be >= 0")
         if self.prior_rel_std <= 0 or self.huber_k <= 0 or self.noise0 <= 0 or not 0 < self.noise_rate < 1:
             raise ValueError("prior_rel_std, huber_k, noise0 must be > 0 and noise_rate within (0, 1)")
         unknown = set(self.priors) - set(PRICE_NAMES)
@@ -284,8 +289,12 @@ class InstanceEstimator:
             self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output)
         return self._cache
 
+    def rel_std_vector(self) -> np.ndarray:
+        """Each price's relative standard error, in PRICE_NAMES order."""
+        return np.concatenate([self.ttft.rel_std(), self.tpot.rel_std()])
+
     def confidence(self) -> dict[str, float]:
-        rs = [*self.ttft.rel_std(), *self.tpot.rel_std()]
+        rs = self.rel_std_vector()
         return {k: round(float(v), 4) for k, v in zip(PRICE_NAMES, rs)}
 
 
@@ -315,6 +324,30 @@ class PriceBook:
     def prices(self, instance_id: str) -> InstancePrices:
         est = self._by.get(instance_id)
         return est.prices() if est is not None else self._prior
+
+    def decision_prices(self, instance_id: str) -> InstancePrices:
+        """The prices a decision compares instances by: the cluster's (pooled) price, moved towards
+        the instance's own only as far as their difference is significant (positive-part shrinkage:
+        weight ``max(0, 1 - (z se / d)^2)``, ``z`` = ``self.cfg.shrink_z``, ``se`` the two estimates'
+        combined standard error). A router that takes the argmin over instances priced with
+        independent noisy fits sends the traffic to whichever fit happens to be low (the winner's
+        curse); identical instances then differ by noise only, and get the same price."""
+        est = self._by.get(instance_id)
+        if est is None:
+            return self.pooled.prices()
+        if self.cfg.shrink_z <= 0:
+            return est.prices()
+        own, pool = est.prices(), self.pooled.prices()
+        rs_own, rs_pool = est.rel_std_vector(), self.pooled.rel_std_vector()
+        z2 = self.cfg.shrink_z**2
+        vals = []
+        for k, name in enumerate(PRICE_NAMES):
+            a, b = getattr(own, name), getattr(pool, name)
+            d2 = (a - b) ** 2
+            se2 = (rs_own[k] * a) ** 2 + (rs_pool[k] * b) ** 2
+            w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 else 0.0
+            vals.append(float(b + w * (a - b)))
+        return InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output)
 
     def forget_instance(self, instance_id: str) -> None:
         self._by.pop(instance_id, None)

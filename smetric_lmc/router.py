@@ -111,7 +111,7 @@ class Router:
         book = feed.book if feed is not None and "prices" in policy.needs else None
         view = ClusterView(ids, None, None, prompt_tokens, turn, est, found.global_hit_tokens, unpre, infl,
                            self.rotation[kind], hits=hits, loads=loads,
-                           prices=[book.prices(i) for i in ids] if book is not None else None)
+                           prices=[book.decision_prices(i) for i in ids] if book is not None else None)
         c = policy(view)
         self.rotation[kind] = c.index + 1
         best = view.best_hit()[0]

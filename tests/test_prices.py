@@ -146,3 +146,87 @@ def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
     assert sim.price_feed.book.prices(sim.instances[0].iid).observations > 0
     # a baseline runs without one
     assert Simulator(toy(), cfg(), PolicyConfig(name="lmetric")).price_feed is None
+
+
+def test_decisions_compare_instances_at_the_cluster_price_unless_one_differs_significantly() -> None:
+    """Identical instances fitted on independent noisy reports differ by noise only: a decision that
+    takes the argmin over their own fits sends traffic to whichever is low (the winner's curse), so
+    decision_prices shrinks each to the pooled fit. An instance that is really dearer keeps its price."""
+    rng = np.random.default_rng(3)
+    slow = {**TRUE, "fetch_global_us": 160.0}  # instance "c": its fetch path is 4x slower
+    book = PriceBook()
+    for a, b, c in zip(synthetic(rng, 1500, TRUE, 0.0), synthetic(rng, 1500, TRUE, 0.0), synthetic(rng, 1500, slow, 0.0)):
+        book.observe("a", a)
+        book.observe("b", b)
+        book.observe("c", c)
+    own = [book.prices(i).queue_us_per_tok for i in "ab"]
+    shrunk = [book.decision_prices(i).queue_us_per_tok for i in "ab"]
+    assert own[0] != own[1]  # the two fits differ by their noise
+    # shrunk towards the pool (equal where the difference is not significant), never further apart
+    assert abs(shrunk[0] - shrunk[1]) <= abs(own[0] - own[1])
+    assert book.decision_prices("c").fetch_global_us == pytest.approx(book.prices("c").fetch_global_us, rel=0.05)
+    assert book.decision_prices("c").fetch_global_us > 2 * book.decision_prices("a").fetch_global_us
+    # z = 0 turns shrinkage off; an instance with no reports yet gets the cluster's price
+    raw = PriceBook(EstimatorConfig(shrink_z=0.0))
+    raw.observe("a", synthetic(rng, 1, TRUE)[0])
+    assert raw.decision_prices("a") == raw.prices("a")
+    assert book.decision_prices("new") == book.pooled.prices()
+    with pytest.raises(ValueError, match="shrink_z"):
+        EstimatorConfig(shrink_z=-1.0)
+
+
+def _body(running: float, itl: tuple[float, float] | None, name: str = "vllm:inter_token_latency_seconds") -> str:
+    rows = ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0"}} {running}']
+    if itl is not None:
+        rows += [f"# TYPE {name} histogram", f'{name}_bucket{{engine="0",le="+Inf"}} {itl[1]}',
+                 f'{name}_sum{{engine="0"}} {itl[0]}', f'{name}_count{{engine="0"}} {itl[1]}']
+    return "\n".join(rows) + "\n"
+
+
+def test_the_engines_inter_token_latency_deltas_are_tpot_observations() -> None:
+    from smetric_lmc.controller.engine_metrics import ItlDeltas, parse_engine_metrics
+
+    d = ItlDeltas()
+    assert d.update("a", parse_engine_metrics(_body(4, (10.0, 100.0)))) is None  # the first poll is the baseline
+    assert d.update("a", parse_engine_metrics(_body(6, (13.0, 130.0)))) == pytest.approx((0.1, 6.0))
+    assert d.update("a", parse_engine_metrics(_body(6, (13.0, 130.0)))) is None  # no token since: nothing learnt
+    assert d.update("a", parse_engine_metrics(_body(2, (1.0, 10.0)))) is None  # the engine restarted: a new baseline
+    assert d.update("a", parse_engine_metrics(_body(2, (1.5, 20.0)))) == pytest.approx((0.05, 2.0))
+    # vLLM v0's name is read too; an engine exporting neither (or half a histogram) teaches nothing
+    s = parse_engine_metrics(_body(1, (2.0, 4.0), "vllm:time_per_output_token_seconds"))
+    assert (s.itl_sum_s, s.itl_count, s.requests) == (2.0, 4.0, 1)
+    assert parse_engine_metrics(_body(1, None)).itl_sum_s is None
+    half = _body(1, None) + '# TYPE vllm:inter_token_latency_seconds histogram\nvllm:inter_token_latency_seconds_sum{engine="0"} 1.0\n'
+    assert parse_engine_metrics(half).itl_sum_s is None
+
+
+async def test_the_poller_feeds_a_mock_engines_tpot_to_the_price_book() -> None:
+    """A real mock engine's /metrics, polled by the controller's poller: each poll's inter-token
+    latency delta becomes a TPOT observation of that instance."""
+    import aiohttp
+
+    from smetric_lmc.controller.engine_metrics import EngineMetricsPoller
+    from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+    from smetric_lmc.load import LoadTracker
+
+    book = PriceBook()
+    seen: list[tuple[str, float, float]] = []
+
+    def on_tpot(iid: str, tpot_s: float, running: float) -> None:
+        seen.append((iid, tpot_s, running))
+        book.observe_tpot(iid, tpot_s, running)
+
+    async with running_mocks(options(speed=100.0)) as mocks, aiohttp.ClientSession() as http:
+        url = mocks[0][0].http_url
+        poller = EngineMetricsPoller({"m0": url}, LoadTracker(), on_tpot=on_tpot)
+        try:
+            await poller.poll_once()  # the baseline
+            for k in range(3):
+                async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [k + 1] * 64,
+                                                                     "max_tokens": 20}) as r:
+                    assert r.status == 200
+            await poller.poll_once()
+        finally:
+            await poller.close()
+    assert len(seen) == 1 and seen[0][0] == "m0" and seen[0][1] > 0
+    assert book.instances() == ["m0"] and book.pooled.tpot.slow.n == 1

@@ -28,9 +28,24 @@ Half weights (queue 0.5) gave 0.98-1.02x LMetric on that row; the queue without 
 the drag without the queue 0.90-1.01x (seeds 0, 1; the full cost was 0.92-0.97x). Where the global
 tier holds the prefix, a move only fetches, and the full cost applies as before.
 
+What the decision traces showed after the prices were learnt (issue 23; fetch axis x global tier 0.4,
+x = 0.3, dev seed 1; the evaluation seed 0 was not used): priced with each instance's own fit, the
+variant lost to LMetric by 4-9%, and the same cost with one price for all instances (the median of
+their fits) won by 7-9% in the same runs. The instances are identical, so their fits differ by
+estimation noise only, and an argmin over instances priced with independent noisy fits sends traffic
+to whichever fit happens to be low (the winner's curse; the queue and in-flight prices are the
+noisiest). The router therefore prices decisions with ``PriceBook.decision_prices``: the cluster's
+pooled fit, moved to an instance's own only as far as the two differ by more than two standard
+errors (a really slower instance keeps its price). On dev seeds 1 and 2 over the four fetch speeds at
+global 0.4 that gave 0.93-1.09x the best baseline (mean 1.03; 0.91-0.96x at the two worst cells before);
+a cost that prices only the wait past the TTFT SLO left after the request's own predicted prefill on
+each instance (instead of half the SLO) was no better within the noise (0.90-1.18x, mean 1.04), so the
+cost below is unchanged.
+
 The cost of the request on instance i, in µs, priced with what instance i's requests were measured
-to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices``; the params'
-prices are the cold-start prior and stand in where a view carries none):
+to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices`` and shrunk to
+the cluster's price as above; the params' prices are the cold-start prior and stand in where a view
+carries none):
 
     cost[i] = w_q * max(0, t_queue[i] * unprefilled[i] - slack)     prefill queued ahead of it, past the slack
             + (t_tok[i] * (L - max(c[i], g)) + fetch[i](max(0, g - c[i])))   its own compute and fetch ...

@@ -68,6 +68,10 @@ class EngineCounters:
     prefix_hits: int = 0
     requests_ok: int = 0
     requests_aborted: int = 0
+    # vLLM's inter-token latency histogram, summed: wall seconds after each request's first token, and
+    # the tokens they produced (the mean over an interval is the time per output token then)
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
     steps: int = 0
     evicted_blocks: int = 0
     # where prompt tokens came from (the engine's own accounting, as LMCache's hit counters)
@@ -342,6 +346,9 @@ class MockEngineCore:
             self.counters.requests_aborted += 1
         else:
             self.counters.requests_ok += 1
+            if r.output > 1 and t > r.first_token:
+                self.counters.itl_sum_s += (t - r.first_token) / self.speed  # model seconds -> wall
+                self.counters.itl_count += r.output - 1
             h.queue.put_nowait(("end", h.sent))
 
     def _deliver(self, r: SimRequest) -> None:

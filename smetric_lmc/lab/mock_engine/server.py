@@ -340,6 +340,10 @@ def render_metrics(core: MockEngineCore, model: str) -> str:
     for name, kind, doc, value in rows:
         sample = f"{name}_total" if kind == "counter" else name
         out += [f"# HELP {sample} {doc}", f"# TYPE {sample} {kind}", f"{sample}{{{lab}}} {float(value)}"]
+    itl = "vllm:inter_token_latency_seconds"
+    out += [f"# HELP {itl} Histogram of inter-token latency in seconds.", f"# TYPE {itl} histogram",
+            f'{itl}_bucket{{{lab},le="+Inf"}} {float(c.itl_count)}', f"{itl}_sum{{{lab}}} {c.itl_sum_s}",
+            f"{itl}_count{{{lab}}} {float(c.itl_count)}"]
     out += ["# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{{lab},finished_reason="length"}} {float(c.requests_ok)}',
