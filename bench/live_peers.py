@@ -117,7 +117,12 @@ MODES = {
 # The mock engines: the simulator's default profile, KV capacity cut so prefixes get evicted at
 # these scaled-down contexts (routing matters only when caches fill), a global tier shared by the
 # instances, engines 4x slower than the profile so the knee falls at a rate two cores can offer.
-MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", "--speed", "0.25")
+# Topic "": vLLM's default, and the only topic vllm-router's static --kv-event-source subscribes to
+# (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
+# kv_aware index stayed empty and it never credited a cached prefix).
+EVENT_ARGS = ("--topic", "")
+MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", "--speed", "0.25",
+             *EVENT_ARGS)
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -163,6 +168,8 @@ class Router:
         cfg = up.controller_config(self.infos, route_url=f"tcp://127.0.0.1:{route_port}",  # type: ignore[arg-type]
                                    metrics_port=metrics_port, policy=self.conf.policy,
                                    policy_overrides=dict(self.conf.params) or None, metrics_poll_s=1.0)
+        for inst in cfg["instances"]:
+            inst["kv_events_topic"] = EVENT_ARGS[1]  # the engines' topic (see EVENT_ARGS)
         path = up.write_config(cfg, self.workdir / "smetric.yaml")
         self.groups.append(up.start_controller(path, metrics_port, self.workdir))
         self.groups.append(up.start_gateway(path, port, self.workdir))
@@ -348,25 +355,29 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv}
 
 
-async def _latency(direct: str, via: str, n: int, rate: float) -> tuple[list[float], list[float]]:
-    """``n`` pairs of small completions at ``rate`` pairs per second, one straight to an engine and
-    one through the router, back to back so machine noise hits both alike; latencies in ms."""
-    out: tuple[list[float], list[float]] = ([], [])
+async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float]]:
+    """``n`` pairs of the same small completion at ``rate`` pairs per second, one straight to an
+    engine and one through the router, back to back (which goes first alternates, so neither gets
+    the other's warm caches for free); each pair's two latencies in ms."""
+    pairs: list[tuple[float, float]] = []
     body = {"model": "tiny", "prompt": "".join(map(chr, range(32, 96))), "max_tokens": 1}
     async with aiohttp.ClientSession() as s:
-        async def one(url: str, sink: list[float]) -> None:
+        async def one(url: str) -> float | None:
             t = time.perf_counter()
             async with s.post(url + "/v1/completions", json=body) as r:
                 await r.read()
-                if r.status == 200:
-                    sink.append((time.perf_counter() - t) * 1e3)
+                return (time.perf_counter() - t) * 1e3 if r.status == 200 else None
 
-        for _ in range(n):
+        for k in range(n):
             t = time.perf_counter()
-            await one(direct, out[0])
-            await one(via, out[1])
+            if k % 2:
+                v, d = await one(via), await one(direct)
+            else:
+                d, v = await one(direct), await one(via)
+            if d is not None and v is not None:
+                pairs.append((d, v))
             await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
-    return out
+    return pairs
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -374,25 +385,46 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
 
 
+def _contention() -> tuple[float, float, float]:
+    """(steal ticks, all ticks, runnable tasks now) from ``/proc/stat``."""
+    steal, total = _cpu_ticks()
+    running = next((float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("procs_running")), float("nan"))
+    return steal, total, running
+
+
+def latency_summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """Percentiles of the per-pair differences (through the router minus straight): the router's
+    own time, with the machine's noise common to both requests of a pair cancelled."""
+    diffs = [v - d for d, v in pairs]
+    return {"pairs": len(pairs), "p50_ms": _pct(diffs, 50), "p90_ms": _pct(diffs, 90), "p99_ms": _pct(diffs, 99),
+            "direct_p50_ms": _pct([d for d, _ in pairs], 50), "via_p50_ms": _pct([v for _, v in pairs], 50)}
+
+
 def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
-    """The router's p50/p99 over instant engines: through it minus straight to an engine, same
-    requests at the same rate, back to back in one run."""
+    """The router's added time over instant engines: per-pair differences, through it minus
+    straight to an engine, with the machine's steal share and run queue over the same seconds."""
     work = Path(tempfile.mkdtemp(prefix="lat-", dir=root))
-    started = start_mock_engines(mode.instances, work, processes=1, extra_args=["--speed", "1000"])
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=["--speed", "1000", *EVENT_ARGS])
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     router = Router(conf, infos, work)
     try:
         router.start()
-        asyncio.run(_latency(infos[0].http_url, router.url, 20, 50))  # warm-up (connections, caches)
-        direct, via = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 50))
+        asyncio.run(_latency(infos[0].http_url, router.url, 30, 100))  # warm-up (connections, caches)
+        c0 = _contention()
+        pairs = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
+        c1 = _contention()
     finally:
         router.stop()
         for g in groups:
             g.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"p50_ms": _pct(via, 50) - _pct(direct, 50), "p99_ms": _pct(via, 99) - _pct(direct, 99),
-            "direct_p99_ms": _pct(direct, 99), "via_p99_ms": _pct(via, 99)}
+    out = latency_summary(pairs)
+    out["steal"] = (c1[0] - c0[0]) / max(1.0, c1[1] - c0[1])
+    out["runnable"] = (c0[2] + c1[2]) / 2  # tasks wanting a CPU, at the start and end of the phase
+    out["loadavg1"] = os.getloadavg()[0]
+    return out
 
 
 def load_workloads(names: Sequence[str], sessions: int) -> dict[str, Workload]:
@@ -467,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
     ap.add_argument("--no-latency", action="store_true", help="skip the added-latency phase")
+    ap.add_argument("--latency-pairs", type=int, help="request pairs per router in the added-latency phase")
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
     ap.add_argument("--workloads", help="comma-separated subset of the mode's workloads (trace1, weka)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
@@ -487,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.sessions:
         mode.sessions = mode.weka_sessions = args.sessions
+    if args.latency_pairs:
+        mode.latency_requests = args.latency_pairs
     if args.no_latency:
         mode.latency_requests = 0
     mode.max_output = args.max_output
@@ -548,8 +583,11 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, OSError) as exc:
                 print(f"[{k}/{total}] latency {conf.name}: FAILED: {exc}", flush=True)
                 continue
-            print(f"[{k}/{total}] added latency {conf.name}: p50 {lat[conf.name]['p50_ms']:.2f} ms, "
-                  f"p99 {lat[conf.name]['p99_ms']:.2f} ms", flush=True)
+            a = lat[conf.name]
+            print(f"[{k}/{total}] added latency {conf.name}: p50 {a['p50_ms']:.2f} ms, p90 {a['p90_ms']:.2f} ms, "
+                  f"p99 {a['p99_ms']:.2f} ms over {a['pairs']:.0f} pairs (straight p50 {a['direct_p50_ms']:.2f} ms; "
+                  f"steal {a['steal']:.1%}, runnable {a['runnable']:.0f}, load {a['loadavg1']:.1f} on "
+                  f"{os.cpu_count()} CPUs)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
@@ -590,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                       "smetric_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in sm_ratio.items()},
                       "router_cpu_ms_per_1k": cpu_ms,
                       "router_added_latency_p99_ms": {k: round(v["p99_ms"], 2) for k, v in lat.items()},
+                      "router_added_latency_p50_ms": {k: round(v["p50_ms"], 2) for k, v in lat.items()},
                       "peers_tuned": mode.tune}))
     return 0
 
