@@ -105,12 +105,24 @@ class Mode:
     fresh_per_load: bool = True  # False (CI): one cluster + router per configuration, loads in a row
     weka_sessions: int = 4  # WEKA sessions run ~60 turns each (Trace-1's ~6): fewer roots
     max_output: int | None = None  # cap on every answer (None: the scaled recorded length)
+    speed: float = 0.25  # the mock engines' speed against the profile (lower: the knee at a lower load)
+    time_scale: float = 0.05  # think times and arrival gaps scaled by this
+    max_think_s: float = 60.0  # recorded think times clipped here (before time_scale)
+    routers: tuple[str, ...] | None = None  # the router configurations run (None: all)
 
 
+# --quick: 4 instances so that 12 sessions reach the knee, think times short and clipped so that a
+# run lasts ~15 s, 3 loads (below, near and past the knee), Trace-1 only (a WEKA session runs ~60
+# turns one after the other: minutes whatever the router; the full mode runs it), and the two
+# load-only peer policies with a twin in the set (vLLM's round_robin, SGLang's power_of_two) left
+# to the full mode and CI: all of it to fit 8 minutes on a shared 2-core machine.
+QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
+                 "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
-    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 6.0), 20, 0.05, True, 300, fresh_per_load=False),
-    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False,
-                  weka_sessions=2),
+    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 9.0, 27.0), 40, 0.05, True, 1000, fresh_per_load=False,
+                 time_scale=0.02, max_think_s=15.0),
+    "quick": Mode(4, ("trace1",), (1.0, 3.0, 9.0), 12, 0.05, False, 200, fresh_per_load=False,
+                  weka_sessions=2, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
@@ -121,8 +133,7 @@ MODES = {
 # (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
 # kv_aware index stayed empty and it never credited a cached prefix).
 EVENT_ARGS = ("--topic", "")
-MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", "--speed", "0.25",
-             *EVENT_ARGS)
+MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -300,7 +311,7 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
     """A fresh mock cluster and ``conf`` in front of it; the workload replayed at each of ``rates`` in
     turn (one rate per cluster unless the mode says otherwise)."""
     work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    started = start_mock_engines(mode.instances, work, processes=1, extra_args=list(MOCK_ARGS))
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     router = Router(conf, infos, work)
@@ -323,8 +334,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
     sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions
     cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
-                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=0.05,
-                       max_think_s=60.0,
+                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=mode.time_scale,
+                       max_think_s=mode.max_think_s,
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
                        tokens=TokenSpace(128, 16), text_prompts=True)
@@ -505,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
     ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
     ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
+    ap.add_argument("--speed", type=float, help="the mock engines' speed against the profile (overrides the mode's)")
+    ap.add_argument("--time-scale", type=float, help="scale think times by this (overrides the mode's)")
+    ap.add_argument("--max-think", type=float, help="clip recorded think times here, s (overrides the mode's)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
     args = ap.parse_args(argv)
@@ -525,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_latency:
         mode.latency_requests = 0
     mode.max_output = args.max_output
+    if args.speed:
+        mode.speed = args.speed
+    if args.time_scale:
+        mode.time_scale = args.time_scale
+    if args.max_think:
+        mode.max_think_s = args.max_think
     if args.loads:
         try:
             mode.loads = tuple(float(x) for x in args.loads.split(","))
@@ -532,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
             return 2
     confs = default_confs() + (tuning_confs() if mode.tune else [])
+    if mode.routers is not None and not args.routers:
+        confs = [c for c in confs if c.name in mode.routers]
     if args.routers:
         want = set(args.routers.split(","))
         confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
