@@ -1,7 +1,8 @@
 """Live, side by side: our router and the routers users run today, in front of the same mock cluster.
 
-    python bench/live_peers.py            # 16 instances, both workloads, a load sweep, peers tuned
-    python bench/live_peers.py --quick    # 8 instances, both workloads, 2 loads, documented defaults
+    python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned
+    python bench/live_peers.py --quick    # 4 instances, Trace-1, 3 loads, 8 configurations, defaults
+    python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
     python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
 
 Router configurations: ours through our controller + gateway (``smetric``, ``smetric_ect``,
@@ -18,8 +19,9 @@ Per run: TPS within SLO, TTFT p50/p99, where prompt tokens came from (the engine
 GPU prefix cache, global tier, computed), load imbalance (max / mean prompt tokens per instance),
 the router's CPU seconds per 1,000 requests (``/proc`` of its processes) and what the router itself
 says it did (its Prometheus counters), so no configuration can silently fall back to round robin.
-Added latency: the same small requests to instant engines (``--speed 1000``) directly and through
-each router; the router's share is the difference of the percentiles.
+Added latency: the same small request to instant engines (``--speed 1000``), straight to an engine
+and through the router, back to back in pairs; the router's share is the percentiles of the
+per-pair differences, reported with the machine's steal share and run queue over the same seconds.
 
 Ends with ONE JSON line: ``{"instances", "workloads", "ours_best", "best_peer",
 "ours_vs_best_peer_tps_slo", "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k",
@@ -109,6 +111,14 @@ class Mode:
     time_scale: float = 0.05  # think times and arrival gaps scaled by this
     max_think_s: float = 60.0  # recorded think times clipped here (before time_scale)
     routers: tuple[str, ...] | None = None  # the router configurations run (None: all)
+    # Sessions per run grow with the load (rate x this window, at least ``sessions``): with a fixed
+    # count every load above count/session-length offers the same work, and no sweep passes the knee.
+    arrival_window_s: float | None = None
+
+    def sessions_at(self, rate: float) -> int:
+        if self.arrival_window_s is None:
+            return self.sessions
+        return max(self.sessions, round(rate * self.arrival_window_s))
 
 
 # --quick: 4 instances so that 12 sessions reach the knee, think times short and clipped so that a
@@ -332,7 +342,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
     cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
-    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions
+    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions_at(rate)
     cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
                        output_scale=mode.context_scale, max_output=mode.max_output, time_scale=mode.time_scale,
                        max_think_s=mode.max_think_s,
@@ -505,7 +515,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="8 instances, 2 loads, defaults only (<= 8 min)")
+    g.add_argument("--quick", action="store_true", help="4 instances, Trace-1, 3 loads, defaults only (<= 8 min)")
     g.add_argument("--ci", action="store_true", help="the CI smoke: Trace-1 only, short runs")
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
@@ -519,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed", type=float, help="the mock engines' speed against the profile (overrides the mode's)")
     ap.add_argument("--time-scale", type=float, help="scale think times by this (overrides the mode's)")
     ap.add_argument("--max-think", type=float, help="clip recorded think times here, s (overrides the mode's)")
+    ap.add_argument("--tune", action="store_true", help="add the peers' tuning sweep (the full mode always runs it)")
+    ap.add_argument("--tuned-only", action="store_true", help="run only the peers' tuned configurations")
+    ap.add_argument("--arrival-window", type=float,
+                    help="sessions per run = load x this many seconds (at least --sessions)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
     args = ap.parse_args(argv)
@@ -545,22 +559,28 @@ def main(argv: list[str] | None = None) -> int:
         mode.time_scale = args.time_scale
     if args.max_think:
         mode.max_think_s = args.max_think
+    if args.arrival_window:
+        mode.arrival_window_s = args.arrival_window
     if args.loads:
         try:
             mode.loads = tuple(float(x) for x in args.loads.split(","))
         except ValueError:
             print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
             return 2
+    if args.tune or args.tuned_only:
+        mode.tune = True
     confs = default_confs() + (tuning_confs() if mode.tune else [])
     if mode.routers is not None and not args.routers:
-        confs = [c for c in confs if c.name in mode.routers]
+        confs = [c for c in confs if c.name in mode.routers or c.tuned]
+    if args.tuned_only:
+        confs = [c for c in confs if c.tuned]
     if args.routers:
         want = set(args.routers.split(","))
         confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
         if not confs:
             print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
             return 2
-    wls = load_workloads(mode.workloads, mode.sessions)
+    wls = load_workloads(mode.workloads, max(mode.sessions_at(r) for r in mode.loads))
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
         else [(c, w, mode.loads) for w in mode.workloads for c in confs]
