@@ -1,7 +1,7 @@
 """Live, side by side: our router and the routers users run today, in front of the same mock cluster.
 
-    python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned
-    python bench/live_peers.py --quick    # 4 instances, Trace-1, 3 loads, 8 configurations, defaults
+    python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned (not run yet)
+    python bench/live_peers.py --quick    # 4 instances, Trace-1, 3 loads through the knee, 8 configurations
     python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
     python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
 
@@ -121,18 +121,22 @@ class Mode:
         return max(self.sessions, round(rate * self.arrival_window_s))
 
 
-# --quick: 4 instances so that 12 sessions reach the knee, think times short and clipped so that a
-# run lasts ~15 s, 3 loads (below, near and past the knee), Trace-1 only (a WEKA session runs ~60
-# turns one after the other: minutes whatever the router; the full mode runs it), and the two
-# load-only peer policies with a twin in the set (vLLM's round_robin, SGLang's power_of_two) left
-# to the full mode and CI: all of it to fit 8 minutes on a shared 2-core machine.
+# --quick: 4 instances, engines at 0.18x the profile (slower and decode alone breaks the 30 ms TPOT
+# SLO), sessions per run = load x 2.5 s so that the top load offers more than the cluster serves,
+# think times short and clipped so that a run lasts 10-30 s, 3 loads (below, at and past the knee),
+# Trace-1 only (a WEKA session runs ~60 turns one after the other: minutes whatever the router; the
+# full mode runs it), and the two load-only peer policies with a twin in the set (vLLM's
+# round_robin, SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a
+# shared 2-core machine. Calibrated on ours:load_balance alone (2 / 6 / 18 sessions/s: TPS within
+# SLO 5.2k / 10.4k / 7.1k tok/s).
 QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
-    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 9.0, 27.0), 40, 0.05, True, 1000, fresh_per_load=False,
-                 time_scale=0.02, max_think_s=15.0),
-    "quick": Mode(4, ("trace1",), (1.0, 3.0, 9.0), 12, 0.05, False, 200, fresh_per_load=False,
-                  weka_sessions=2, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS),
+    "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
+                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
+    "quick": Mode(4, ("trace1",), (2.0, 6.0, 18.0), 4, 0.05, False, 200, fresh_per_load=False,
+                  weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
+                  arrival_window_s=2.5),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
