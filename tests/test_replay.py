@@ -4,7 +4,9 @@ prefix cache (the mock engine's cached_tokens, vLLM's rule: whole blocks, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -103,6 +105,19 @@ async def test_scaled_replay_and_skipped_requests() -> None:
     assert any(r.ok and r.cached_tokens for r in records)
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[int]:
+    """``app`` on a free loopback port (yielded) until the block ends."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
 async def test_text_prompts_resend_the_answer_without_return_token_ids() -> None:
     """With text prompts the answer's text is its ids (the byte tokenizer): the closed loop works
     without ``return_token_ids``, a field vllm-router's kv_aware refuses cache credit for."""
@@ -131,17 +146,10 @@ async def test_text_prompts_resend_the_answer_without_return_token_ids() -> None
                 return resp
 
         app.router.add_post("/v1/completions", forward)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
+        async with _serving(app) as port:
             records = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", rate=50.0, time_scale=0.0005,
                                                     context_scale=0.1, output_scale=0.1,
                                                     tokens=TokenSpace(128, 16), text_prompts=True)).run()
-        finally:
-            await runner.cleanup()
     assert bodies and all("return_token_ids" not in b and isinstance(b["prompt"], str) for b in bodies)
     assert all(r.ok for r in records)
     assert check_feedback(records, 32) >= 5
@@ -211,16 +219,9 @@ async def test_first_token_is_timed_when_its_text_is_empty() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with _serving(app) as port:
         wl = Workload("one", 64, [TraceSession("s", [TraceRequest(0.0, 64, 3, np.asarray([1], dtype=np.uint64))])])
         (rec,) = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", max_model_len=4096)).run()
-    finally:
-        await runner.cleanup()
     assert rec.ok and rec.completion_tokens == 3
     assert rec.first_token - rec.arrival < gap  # the first (empty-text) chunk, not one 0.3 s later
     assert rec.finish - rec.first_token >= 2 * gap * 0.9
