@@ -1,7 +1,8 @@
 """Live, side by side: our router and the routers users run today, in front of the same mock cluster.
 
-    python bench/live_peers.py            # 16 instances, both workloads, a load sweep, peers tuned
-    python bench/live_peers.py --quick    # 8 instances, both workloads, 2 loads, documented defaults
+    python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned (not run yet)
+    python bench/live_peers.py --quick    # 4 instances, Trace-1, 3 loads through the knee, 8 configurations
+    python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
     python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
 
 Router configurations: ours through our controller + gateway (``smetric``, ``smetric_ect``,
@@ -18,8 +19,9 @@ Per run: TPS within SLO, TTFT p50/p99, where prompt tokens came from (the engine
 GPU prefix cache, global tier, computed), load imbalance (max / mean prompt tokens per instance),
 the router's CPU seconds per 1,000 requests (``/proc`` of its processes) and what the router itself
 says it did (its Prometheus counters), so no configuration can silently fall back to round robin.
-Added latency: the same small requests to instant engines (``--speed 1000``) directly and through
-each router; the router's share is the difference of the percentiles.
+Added latency: the same small request to instant engines (``--speed 1000``), straight to an engine
+and through the router, back to back in pairs; the router's share is the percentiles of the
+per-pair differences, reported with the machine's steal share and run queue over the same seconds.
 
 Ends with ONE JSON line: ``{"instances", "workloads", "ours_best", "best_peer",
 "ours_vs_best_peer_tps_slo", "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k",
@@ -105,19 +107,47 @@ class Mode:
     fresh_per_load: bool = True  # False (CI): one cluster + router per configuration, loads in a row
     weka_sessions: int = 4  # WEKA sessions run ~60 turns each (Trace-1's ~6): fewer roots
     max_output: int | None = None  # cap on every answer (None: the scaled recorded length)
+    speed: float = 0.25  # the mock engines' speed against the profile (lower: the knee at a lower load)
+    time_scale: float = 0.05  # think times and arrival gaps scaled by this
+    max_think_s: float = 60.0  # recorded think times clipped here (before time_scale)
+    routers: tuple[str, ...] | None = None  # the router configurations run (None: all)
+    # Sessions per run grow with the load (rate x this window, at least ``sessions``): with a fixed
+    # count every load above count/session-length offers the same work, and no sweep passes the knee.
+    arrival_window_s: float | None = None
+
+    def sessions_at(self, rate: float) -> int:
+        if self.arrival_window_s is None:
+            return self.sessions
+        return max(self.sessions, round(rate * self.arrival_window_s))
 
 
+# --quick: 4 instances, engines at 0.18x the profile (slower and decode alone breaks the 30 ms TPOT
+# SLO), sessions per run = load x 2.5 s so that the top load offers more than the cluster serves,
+# think times short and clipped so that a run lasts 10-30 s, 3 loads (below, at and past the knee),
+# Trace-1 only (a WEKA session runs ~60 turns one after the other: minutes whatever the router; the
+# full mode runs it), and the two load-only peer policies with a twin in the set (vLLM's
+# round_robin, SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a
+# shared 2-core machine. Calibrated on ours:load_balance alone (2 / 6 / 18 sessions/s: TPS within
+# SLO 5.2k / 10.4k / 7.1k tok/s).
+QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
+                 "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
-    "full": Mode(16, ("trace1", "weka"), (1.0, 3.0, 6.0), 20, 0.05, True, 300, fresh_per_load=False),
-    "quick": Mode(8, ("trace1", "weka"), (1.0, 4.0), 10, 0.05, False, 100, fresh_per_load=False,
-                  weka_sessions=2),
+    "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
+                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
+    "quick": Mode(4, ("trace1",), (2.0, 6.0, 18.0), 4, 0.05, False, 200, fresh_per_load=False,
+                  weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
+                  arrival_window_s=2.5),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
 # The mock engines: the simulator's default profile, KV capacity cut so prefixes get evicted at
 # these scaled-down contexts (routing matters only when caches fill), a global tier shared by the
 # instances, engines 4x slower than the profile so the knee falls at a rate two cores can offer.
-MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", "--speed", "0.25")
+# Topic "": vLLM's default, and the only topic vllm-router's static --kv-event-source subscribes to
+# (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
+# kv_aware index stayed empty and it never credited a cached prefix).
+EVENT_ARGS = ("--topic", "")
+MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -163,6 +193,8 @@ class Router:
         cfg = up.controller_config(self.infos, route_url=f"tcp://127.0.0.1:{route_port}",  # type: ignore[arg-type]
                                    metrics_port=metrics_port, policy=self.conf.policy,
                                    policy_overrides=dict(self.conf.params) or None, metrics_poll_s=1.0)
+        for inst in cfg["instances"]:
+            inst["kv_events_topic"] = EVENT_ARGS[1]  # the engines' topic (see EVENT_ARGS)
         path = up.write_config(cfg, self.workdir / "smetric.yaml")
         self.groups.append(up.start_controller(path, metrics_port, self.workdir))
         self.groups.append(up.start_gateway(path, port, self.workdir))
@@ -293,7 +325,7 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
     """A fresh mock cluster and ``conf`` in front of it; the workload replayed at each of ``rates`` in
     turn (one rate per cluster unless the mode says otherwise)."""
     work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    started = start_mock_engines(mode.instances, work, processes=1, extra_args=list(MOCK_ARGS))
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     router = Router(conf, infos, work)
@@ -314,10 +346,10 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
     cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
-    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions
+    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions_at(rate)
     cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
-                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=0.05,
-                       max_think_s=60.0,
+                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=mode.time_scale,
+                       max_think_s=mode.max_think_s,
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
                        tokens=TokenSpace(128, 16), text_prompts=True)
@@ -348,25 +380,29 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv}
 
 
-async def _latency(direct: str, via: str, n: int, rate: float) -> tuple[list[float], list[float]]:
-    """``n`` pairs of small completions at ``rate`` pairs per second, one straight to an engine and
-    one through the router, back to back so machine noise hits both alike; latencies in ms."""
-    out: tuple[list[float], list[float]] = ([], [])
+async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float]]:
+    """``n`` pairs of the same small completion at ``rate`` pairs per second, one straight to an
+    engine and one through the router, back to back (which goes first alternates, so neither gets
+    the other's warm caches for free); each pair's two latencies in ms."""
+    pairs: list[tuple[float, float]] = []
     body = {"model": "tiny", "prompt": "".join(map(chr, range(32, 96))), "max_tokens": 1}
     async with aiohttp.ClientSession() as s:
-        async def one(url: str, sink: list[float]) -> None:
+        async def one(url: str) -> float | None:
             t = time.perf_counter()
             async with s.post(url + "/v1/completions", json=body) as r:
                 await r.read()
-                if r.status == 200:
-                    sink.append((time.perf_counter() - t) * 1e3)
+                return (time.perf_counter() - t) * 1e3 if r.status == 200 else None
 
-        for _ in range(n):
+        for k in range(n):
             t = time.perf_counter()
-            await one(direct, out[0])
-            await one(via, out[1])
+            if k % 2:
+                v, d = await one(via), await one(direct)
+            else:
+                d, v = await one(direct), await one(via)
+            if d is not None and v is not None:
+                pairs.append((d, v))
             await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
-    return out
+    return pairs
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -374,25 +410,46 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
 
 
+def _contention() -> tuple[float, float, float]:
+    """(steal ticks, all ticks, runnable tasks now) from ``/proc/stat``."""
+    steal, total = _cpu_ticks()
+    running = next((float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("procs_running")), float("nan"))
+    return steal, total, running
+
+
+def latency_summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """Percentiles of the per-pair differences (through the router minus straight): the router's
+    own time, with the machine's noise common to both requests of a pair cancelled."""
+    diffs = [v - d for d, v in pairs]
+    return {"pairs": len(pairs), "p50_ms": _pct(diffs, 50), "p90_ms": _pct(diffs, 90), "p99_ms": _pct(diffs, 99),
+            "direct_p50_ms": _pct([d for d, _ in pairs], 50), "via_p50_ms": _pct([v for _, v in pairs], 50)}
+
+
 def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
-    """The router's p50/p99 over instant engines: through it minus straight to an engine, same
-    requests at the same rate, back to back in one run."""
+    """The router's added time over instant engines: per-pair differences, through it minus
+    straight to an engine, with the machine's steal share and run queue over the same seconds."""
     work = Path(tempfile.mkdtemp(prefix="lat-", dir=root))
-    started = start_mock_engines(mode.instances, work, processes=1, extra_args=["--speed", "1000"])
+    started = start_mock_engines(mode.instances, work, processes=1, extra_args=["--speed", "1000", *EVENT_ARGS])
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     router = Router(conf, infos, work)
     try:
         router.start()
-        asyncio.run(_latency(infos[0].http_url, router.url, 20, 50))  # warm-up (connections, caches)
-        direct, via = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 50))
+        asyncio.run(_latency(infos[0].http_url, router.url, 30, 100))  # warm-up (connections, caches)
+        c0 = _contention()
+        pairs = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
+        c1 = _contention()
     finally:
         router.stop()
         for g in groups:
             g.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"p50_ms": _pct(via, 50) - _pct(direct, 50), "p99_ms": _pct(via, 99) - _pct(direct, 99),
-            "direct_p99_ms": _pct(direct, 99), "via_p99_ms": _pct(via, 99)}
+    out = latency_summary(pairs)
+    out["steal"] = (c1[0] - c0[0]) / max(1.0, c1[1] - c0[1])
+    out["runnable"] = (c0[2] + c1[2]) / 2  # tasks wanting a CPU, at the start and end of the phase
+    out["loadavg1"] = os.getloadavg()[0]
+    return out
 
 
 def load_workloads(names: Sequence[str], sessions: int) -> dict[str, Workload]:
@@ -462,16 +519,24 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="8 instances, 2 loads, defaults only (<= 8 min)")
+    g.add_argument("--quick", action="store_true", help="4 instances, Trace-1, 3 loads, defaults only (<= 8 min)")
     g.add_argument("--ci", action="store_true", help="the CI smoke: Trace-1 only, short runs")
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
     ap.add_argument("--no-latency", action="store_true", help="skip the added-latency phase")
+    ap.add_argument("--latency-pairs", type=int, help="request pairs per router in the added-latency phase")
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
     ap.add_argument("--workloads", help="comma-separated subset of the mode's workloads (trace1, weka)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
     ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
     ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
+    ap.add_argument("--speed", type=float, help="the mock engines' speed against the profile (overrides the mode's)")
+    ap.add_argument("--time-scale", type=float, help="scale think times by this (overrides the mode's)")
+    ap.add_argument("--max-think", type=float, help="clip recorded think times here, s (overrides the mode's)")
+    ap.add_argument("--tune", action="store_true", help="add the peers' tuning sweep (the full mode always runs it)")
+    ap.add_argument("--tuned-only", action="store_true", help="run only the peers' tuned configurations")
+    ap.add_argument("--arrival-window", type=float,
+                    help="sessions per run = load x this many seconds (at least --sessions)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
     args = ap.parse_args(argv)
@@ -487,23 +552,39 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.sessions:
         mode.sessions = mode.weka_sessions = args.sessions
+    if args.latency_pairs:
+        mode.latency_requests = args.latency_pairs
     if args.no_latency:
         mode.latency_requests = 0
     mode.max_output = args.max_output
+    if args.speed:
+        mode.speed = args.speed
+    if args.time_scale:
+        mode.time_scale = args.time_scale
+    if args.max_think:
+        mode.max_think_s = args.max_think
+    if args.arrival_window:
+        mode.arrival_window_s = args.arrival_window
     if args.loads:
         try:
             mode.loads = tuple(float(x) for x in args.loads.split(","))
         except ValueError:
             print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
             return 2
+    if args.tune or args.tuned_only:
+        mode.tune = True
     confs = default_confs() + (tuning_confs() if mode.tune else [])
+    if mode.routers is not None and not args.routers:
+        confs = [c for c in confs if c.name in mode.routers or c.tuned]
+    if args.tuned_only:
+        confs = [c for c in confs if c.tuned]
     if args.routers:
         want = set(args.routers.split(","))
         confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
         if not confs:
             print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
             return 2
-    wls = load_workloads(mode.workloads, mode.sessions)
+    wls = load_workloads(mode.workloads, max(mode.sessions_at(r) for r in mode.loads))
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
         else [(c, w, mode.loads) for w in mode.workloads for c in confs]
@@ -548,8 +629,11 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, OSError) as exc:
                 print(f"[{k}/{total}] latency {conf.name}: FAILED: {exc}", flush=True)
                 continue
-            print(f"[{k}/{total}] added latency {conf.name}: p50 {lat[conf.name]['p50_ms']:.2f} ms, "
-                  f"p99 {lat[conf.name]['p99_ms']:.2f} ms", flush=True)
+            a = lat[conf.name]
+            print(f"[{k}/{total}] added latency {conf.name}: p50 {a['p50_ms']:.2f} ms, p90 {a['p90_ms']:.2f} ms, "
+                  f"p99 {a['p99_ms']:.2f} ms over {a['pairs']:.0f} pairs (straight p50 {a['direct_p50_ms']:.2f} ms; "
+                  f"steal {a['steal']:.1%}, runnable {a['runnable']:.0f}, load {a['loadavg1']:.1f} on "
+                  f"{os.cpu_count()} CPUs)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
@@ -590,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                       "smetric_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in sm_ratio.items()},
                       "router_cpu_ms_per_1k": cpu_ms,
                       "router_added_latency_p99_ms": {k: round(v["p99_ms"], 2) for k, v in lat.items()},
+                      "router_added_latency_p50_ms": {k: round(v["p50_ms"], 2) for k, v in lat.items()},
                       "peers_tuned": mode.tune}))
     return 0
 

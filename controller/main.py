@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -92,13 +91,14 @@ def run_controller(args: argparse.Namespace) -> int:
     log.info("controller: allocator %s", running_allocator())
     import zmq
 
+    from smetric_lmc import eventloop
     from smetric_lmc.controller.app import (
         ControllerApp,  # the sockets' imports are only paid when the controller runs
     )
 
     app = ControllerApp(cfg, config_path=args.config)
     try:
-        asyncio.run(app.serve())
+        eventloop.run(app.serve())
     except (OSError, zmq.ZMQError) as exc:  # a port already in use: one line, no traceback
         log.error("controller: cannot start: %s (server.route_url %s, server.metrics_port %s; "
                   "a stack still running? `smetric status` / `smetric down`)", exc, cfg.server.route_url,

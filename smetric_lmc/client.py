@@ -390,8 +390,16 @@ class AsyncRouteClient(_Base):
         conn.pending[corr] = fut
         deadline = loop.time() + self.timeout_s
         try:
-            await asyncio.wait_for(conn.sock.send_multipart([corr, b"", payload]), self.timeout_s)
-            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+            sent = conn.sock.send_multipart([corr, b"", payload])
+            if not sent.done():  # the socket's queue is full: wait for room, within the deadline
+                await asyncio.wait_for(sent, self.timeout_s)
+            sent.result()
+            # A timer on the reply's future instead of wait_for: no task per call on the hot path.
+            timer = loop.call_later(max(0.0, deadline - loop.time()), _expire, fut)
+            try:
+                return await fut
+            finally:
+                timer.cancel()
         except asyncio.TimeoutError:
             conn.pending.pop(corr, None)
             error = _timeout(conn.watch, url, f"no reply from {url} within {self.timeout_s}s")
@@ -452,3 +460,9 @@ class AsyncRouteClient(_Base):
 
     async def instances(self) -> list[InstanceInfo]:
         return _expect(await self._call(InstancesRequest()), InstancesReply).instances
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    """The route client's deadline passed without a reply."""
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())

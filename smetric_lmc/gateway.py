@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from smetric_lmc import gateway_status
+from smetric_lmc import eventloop, gateway_status
 from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
 from smetric_lmc.config import Config, ConfigError, InstanceConfig, default_config_path, load_config
 from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
@@ -814,7 +814,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 1
     log.info("gateway listening on http://%s:%d", args.host, sock.getsockname()[1])
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(gw.app(), sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0)
+        web.run_app(gw.app(), sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0,
+                    loop=eventloop.new_event_loop())
     return 0
 
 

@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"instances", "workloads", "ours_best", "best_peer", "ours_vs_best_peer_tps_slo",
-        "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k", "router_added_latency_p99_ms", "peers_tuned"}
+        "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k", "router_added_latency_p99_ms",
+        "router_added_latency_p50_ms", "peers_tuned"}
 
 pytestmark = pytest.mark.live_peers
 
@@ -51,6 +52,11 @@ def test_every_router_routes_the_mock_cluster(tmp_path: Path) -> None:
             assert any("smg_router_requests_total" in k for k in r["counters"]), r["counters"]
         else:
             assert any(f'policy="{r["policy"]}"' in k for k in r["counters"]), r["counters"]
+    # vLLM's kv_aware reads the engines' KV events: it found cached prefixes in its index (it did
+    # not while the mock published on a topic it does not subscribe to).
+    kv_hits = max(r["counters"].get('vllm_router_kv_placement_lookups_total{result="hit"}', 0.0)
+                  for r in rows if r["router"] == "vllm:kv_aware")
+    assert kv_hits > 0, [r["counters"] for r in rows if r["router"] == "vllm:kv_aware"]
     # Round robin spreads requests evenly: the per-instance counts come from the engines themselves.
     by = {(r["router"], r["rate"]): r for r in rows}
     rr = by[("vllm:round_robin", 0.5)]["per_instance_requests"]
@@ -97,3 +103,20 @@ def test_text_prompts_need_ascii_token_ids() -> None:
     ReplayConfig(url="http://x", tokens=TokenSpace(128, 16), text_prompts=True)
     with pytest.raises(ValueError, match="below 128"):
         ReplayConfig(url="http://x", text_prompts=True)
+
+
+def test_added_latency_is_taken_per_pair() -> None:
+    """The router's added time is the percentiles of each pair's difference (through it minus
+    straight), not the difference of two percentiles (which went negative on a noisy machine)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    # The straight request is slow in the pairs where the routed one is slow too (machine noise).
+    pairs = [(1.0, 1.5)] * 98 + [(40.0, 40.5), (1.0, 9.0)]
+    out = live_peers.latency_summary(pairs)
+    assert out["pairs"] == 100
+    assert out["p50_ms"] == 0.5
+    assert out["p99_ms"] == 8.0  # the one pair where the router itself was slow
+    assert out["direct_p50_ms"] == 1.0 and out["via_p50_ms"] == 1.5

@@ -4,8 +4,11 @@ prefix cache (the mock engine's cached_tokens, vLLM's rule: whole blocks, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
+import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -102,6 +105,56 @@ async def test_scaled_replay_and_skipped_requests() -> None:
     assert any(r.ok and r.cached_tokens for r in records)
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[int]:
+    """``app`` on a free loopback port (yielded) until the block ends."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+async def test_text_prompts_resend_the_answer_without_return_token_ids() -> None:
+    """With text prompts the answer's text is its ids (the byte tokenizer): the closed loop works
+    without ``return_token_ids``, a field vllm-router's kv_aware refuses cache credit for."""
+    wl = _small_agent_workload(sessions=2, turns=6)
+    bodies: list[dict] = []
+
+    @web.middleware
+    async def spy(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if request.path == "/v1/completions":
+            bodies.append(json.loads(await request.read()))
+        return await handler(request)
+
+    async with running_mocks(options(speed=400.0)) as mocks:
+        engine = mocks[0][0].http_url
+        app = web.Application(middlewares=[spy])
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            async with aiohttp.ClientSession() as s, s.post(engine + "/v1/completions",
+                                                            data=await request.read(),
+                                                            headers={"Content-Type": "application/json"}) as up:
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+        app.router.add_post("/v1/completions", forward)
+        async with _serving(app) as port:
+            records = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", rate=50.0, time_scale=0.0005,
+                                                    context_scale=0.1, output_scale=0.1,
+                                                    tokens=TokenSpace(128, 16), text_prompts=True)).run()
+    assert bodies and all("return_token_ids" not in b and isinstance(b["prompt"], str) for b in bodies)
+    assert all(r.ok for r in records)
+    assert check_feedback(records, 32) >= 5
+
+
 async def test_replay_resends_the_generated_answer_and_it_hits() -> None:
     wl = _small_agent_workload(sessions=2, turns=6)
     totals: list[int] = []
@@ -166,16 +219,9 @@ async def test_first_token_is_timed_when_its_text_is_empty() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with _serving(app) as port:
         wl = Workload("one", 64, [TraceSession("s", [TraceRequest(0.0, 64, 3, np.asarray([1], dtype=np.uint64))])])
         (rec,) = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", max_model_len=4096)).run()
-    finally:
-        await runner.cleanup()
     assert rec.ok and rec.completion_tokens == 3
     assert rec.first_token - rec.arrival < gap  # the first (empty-text) chunk, not one 0.3 s later
     assert rec.finish - rec.first_token >= 2 * gap * 0.9

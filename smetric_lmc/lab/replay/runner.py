@@ -252,7 +252,11 @@ class Replay:
             return None
         prompt: list[int] | str = "".join(map(chr, ids)) if cfg.text_prompts else ids
         body = {"model": cfg.model, "prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": cfg.feedback}
+                "stream": True, "stream_options": {"include_usage": True}}
+        # With text prompts the answer's text is its ids (the byte tokenizer): no return_token_ids,
+        # a field vllm-router's kv_aware does not model and so gives such a request no cache credit.
+        if cfg.feedback and not cfg.text_prompts:
+            body["return_token_ids"] = True
         generated: list[int] = []
         async with self._sem:
             rec.arrival = self._now()
