@@ -158,22 +158,28 @@ def ratio(kr: KneeResult | None, policy: str, baselines: Sequence[str] = PAPER_B
 
 # What the model lacks, per quantity, when a row misses (each names a mechanism; "guess" where unsure).
 LACKS = {
-    "imbalance": "per-step time variance: the model's iteration time is deterministic (no stragglers, no MoE "
-                 "expert-load skew, no preemption/recompute), so 60 s token windows average out and every "
-                 "policy's max/mean sits lower than on a real cluster",
-    "local_hit_lb": "the trace1 preset's shared system prompts sit in every instance's GPU cache, so a KV-blind "
-                    "router still hits them locally; the paper's 6% implies its first-turn templates rarely "
-                    "repeat on the same instance (per-tool or per-user prompt variants the preset does not draw)",
-    "stickiness": "the model's sessions have no per-user affinity beyond KV: stickiness is what the rule and the "
-                  "cache leave, and the preset's think times and session lengths decide how often the KV "
-                  "survives to the next turn",
+    "imbalance": "what the KV-aware baselines read as load: here the router's in-flight requests, queued ones included; "
+                 "the paper's Bailian reads the engine's batch size (§4.1), as LMetric does (its own paper), which stops "
+                 "growing once the batch is full, so a KV-favoured instance keeps attracting work while its queue grows "
+                 "(not modelled: the router would need the engines' running counts); and the model's step times are "
+                 "deterministic (no stragglers, no MoE expert-load skew, no preemption)",
+    "local_hit_lb": "how often a user's prompt variant is already in the landing GPU: the preset draws 16 root sessions "
+                    "per user (from Fig. 5's system-prompt share) and the run re-draws them into ~4 starts per root over "
+                    "600 s, so a variant sits on several GPUs at once; the paper's sampled replay of a larger trace "
+                    "likely spreads fewer sessions per user, and the 3 k-token shared head is a guess",
+    "stickiness": "the model's sessions have no per-user affinity beyond KV: stickiness is what the rule and the cache "
+                  "leave, and the preset's think times and session lengths decide how often the KV survives to the "
+                  "next turn",
     "ratio": "the SLO cliff and the knee: TPS within SLO near the knee depends on tail latency the deterministic "
              "model understates (see imbalance), which compresses the differences between policies",
     "reuse": "global-tier capacity and eviction: reuse with a full tier is bounded by what the preset's sessions "
              "re-send and by the tier's LRU, not by the policy",
-    "strongest": "the ranking follows the ratio rows: with step times deterministic, load skew costs the "
-                 "KV-greedy baselines less than on the paper's cluster",
-    "local_hit": "how long a session's KV survives in GPU memory between turns under the preset's think times",
+    "strongest": "the ranking follows the ratio rows: the baselines' load signal (in-flight requests, not batch size) "
+                 "and deterministic step times let load skew cost the KV-greedy baselines less than on the paper's "
+                 "cluster",
+    "local_hit": "how long a session's KV survives in GPU memory between turns under the preset's think times, and "
+                 "the load signal: LMetric here multiplies by in-flight requests (+ offset), which rarely outweighs a "
+                 "near-full prefix hit; the paper's LMetric gives up more reuse (33%)",
 }
 
 
