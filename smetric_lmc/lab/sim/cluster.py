@@ -26,7 +26,7 @@ from smetric_lmc.lab.sim.cache import PrefixCache, first_mismatch
 from smetric_lmc.lab.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.lab.sim.engine import Instance
 from smetric_lmc.lab.sim.global_tier import GlobalTier, Links
-from smetric_lmc.lab.sim.load_signal import ScrapedLoadTracker
+from smetric_lmc.lab.sim.load_signal import BatchLoadTracker, ScrapedLoadTracker
 from smetric_lmc.lab.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.lab.sim.profile import Profile, load_profile
 from smetric_lmc.lab.sim.request import SimRequest
@@ -190,7 +190,9 @@ class Simulator:
         self.now = 0.0
         self.index = _make_index(self.bs, lambda: self.now)
         self.load = (
-            ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
+            BatchLoadTracker(lambda: self.now, lambda iid: self.by_id[iid].n_running)
+            if policy.name in cfg.batch_load_policies
+            else ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
             else LoadTracker(clock=lambda: self.now)
         )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)

@@ -88,6 +88,9 @@ QUICK = PaperSize(8, 300.0, 200, (1.0, 1.5), 1, 1, QUICK_GRID, (0.5, math.inf), 
 # averaged over windows (§3 Fig. 9, §4.1, §5.2 Fig. 15b, §5.3 Fig. 21b; sim/token_load.py). The tokens
 # *computed* per window (the summary's imbalance_mean) are capped by the GPU's speed and stay low.
 IMB = "load_imbalance_mean"
+# Baselines whose load is the engine's batch size, as the paper describes Bailian (§4.1: "the current load
+# (batch size)") and LMetric's paper its own; the rest count the router's in-flight requests.
+BATCH_LOAD = ("bailian", "lmetric")
 TOL = {"ratio": 0.05, "hit": 0.10, "imbalance": 0.25, "stickiness": 0.10, "name": 0.0}
 
 
@@ -158,11 +161,10 @@ def ratio(kr: KneeResult | None, policy: str, baselines: Sequence[str] = PAPER_B
 
 # What the model lacks, per quantity, when a row misses (each names a mechanism; "guess" where unsure).
 LACKS = {
-    "imbalance": "what the KV-aware baselines read as load: here the router's in-flight requests, queued ones included; "
-                 "the paper's Bailian reads the engine's batch size (§4.1), as LMetric does (its own paper), which stops "
-                 "growing once the batch is full, so a KV-favoured instance keeps attracting work while its queue grows "
-                 "(not modelled: the router would need the engines' running counts); and the model's step times are "
-                 "deterministic (no stragglers, no MoE expert-load skew, no preemption)",
+    "imbalance": "per-step time variance and what drives a queue: the model's step times are deterministic (no "
+                 "stragglers, no MoE expert-load skew, no preemption), so in-flight tokens pile up on an instance only "
+                 "when the policy sends it more than it serves; load-balance-only and SMetric count in-flight requests "
+                 "exactly, which caps that",
     "local_hit_lb": "how often a user's prompt variant is already in the landing GPU: the preset draws 16 root sessions "
                     "per user (from Fig. 5's system-prompt share) and the run re-draws them into ~4 starts per root over "
                     "600 s, so a variant sits on several GPUs at once; the paper's sampled replay of a larger trace "
@@ -174,12 +176,11 @@ LACKS = {
              "model understates (see imbalance), which compresses the differences between policies",
     "reuse": "global-tier capacity and eviction: reuse with a full tier is bounded by what the preset's sessions "
              "re-send and by the tier's LRU, not by the policy",
-    "strongest": "the ranking follows the ratio rows: the baselines' load signal (in-flight requests, not batch size) "
-                 "and deterministic step times let load skew cost the KV-greedy baselines less than on the paper's "
-                 "cluster",
-    "local_hit": "how long a session's KV survives in GPU memory between turns under the preset's think times, and "
-                 "the load signal: LMetric here multiplies by in-flight requests (+ offset), which rarely outweighs a "
-                 "near-full prefix hit; the paper's LMetric gives up more reuse (33%)",
+    "strongest": "the ranking follows the ratio rows: with step times deterministic, load skew costs the "
+                 "KV-greedy baselines less than on the paper's cluster",
+    "local_hit": "how long a session's KV survives in GPU memory between turns under the preset's think times; "
+                 "LMetric's product of prefill left × batch size rarely outweighs a near-full prefix hit here, where "
+                 "the paper's LMetric gives up much more reuse (33%)",
 }
 
 
@@ -232,7 +233,7 @@ def _cfg(base: SimConfig, size: PaperSize, key: str, seed: int, **kw: Any) -> Si
     return msgspec.structs.replace(base, instances=size.instances, sampling="replace", drain=False,
                                    arrival_window_s=size.window_s, max_sessions=None, seed=seed,
                                    warmup_share=size.warmup_share, global_tier="full" if key == PD_KEY else key,
-                                   pd=key == PD_KEY, **kw)  # fmt: skip
+                                   pd=key == PD_KEY, batch_load_policies=BATCH_LOAD, **kw)  # fmt: skip
 
 
 def candidates(grid: Grid) -> list[tuple[str, str, PolicyConfig]]:
