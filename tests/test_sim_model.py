@@ -296,6 +296,30 @@ def test_token_window_imbalance() -> None:
     assert res.win_tokens.sum() == 5000 + 10
 
 
+def test_inflight_token_load_integrates_over_windows() -> None:
+    from smetric_lmc.lab.sim.token_load import InflightTokens
+
+    tl = InflightTokens(2, 10.0)
+    tl.add(0, 5.0, 100)  # 100 tokens on instance 0 from t=5 to t=25
+    tl.add(1, 0.0, 50)  # 50 on instance 1 throughout
+    tl.add(0, 25.0, -100)
+    w = tl.windows(30.0)
+    assert w.shape == (3, 2)
+    assert w[:, 0] == pytest.approx([50.0, 100.0, 50.0])  # half, whole, half a window
+    assert w[:, 1] == pytest.approx([50.0, 50.0, 50.0])
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_inflight_token_load_of_a_run_drains_to_zero(pd: bool) -> None:
+    # a lone request: all load on one of four instances while it is in flight -> max/mean = 4
+    reqs = [TraceRequest(0.0, 5000, 11, ids(78, 1), turn=0), TraceRequest(2.0, 9000, 40, ids(140, 1), turn=1)]
+    sim = Simulator(Workload("w", BS, [TraceSession("a", reqs)]), cfg(instances=4, global_tier="none", pd=pd),
+                    PolicyConfig(name="smetric"))  # fmt: skip
+    res = sim.run()
+    assert res.summary["load_imbalance_mean"] == pytest.approx(4.0)
+    assert sim.tok_load.cur == [0, 0, 0, 0]  # every token added on routing and decoding left on finishing
+
+
 def test_load_sweep_extends_until_the_gpus_saturate() -> None:
     from smetric_lmc.lab.sim.sweep import sweep
 

@@ -60,6 +60,23 @@ def test_frameworks_have_their_own_prompts() -> None:
     assert prompt * bs <= min(s.requests[0].input_tokens for s in w.sessions if s.parent_id is None)
 
 
+def test_trace1_prompts_share_a_head_per_framework_and_the_rest_per_user() -> None:
+    w = preset_workload("trace1", 300, seed=5)
+    head = TRACE1.prompt_shared_tokens // w.block_size
+    prompt = TRACE1.main.prompt_tokens // w.block_size
+    roots = [s for s in w.sessions if s.parent_id is None]
+    by_head: dict[int, set[int]] = {}
+    for s in roots:
+        b = s.requests[0].block_ids
+        by_head.setdefault(int(b[head - 1]), set()).add(int(b[prompt - 1]))
+    assert len(by_head) == len(TRACE1.frameworks)  # the head: one per framework
+    variants = sum(len(v) for v in by_head.values())
+    # the rest: one per (framework, user) in use, each repeated by about sessions_per_user roots
+    assert len(TRACE1.frameworks) < variants < len(roots) / 4
+    old = preset_workload("trace1-shared", 300, seed=5)
+    assert len({int(s.requests[0].block_ids[prompt - 1]) for s in old.sessions if s.parent_id is None}) == 3
+
+
 def test_scale_and_context_limit() -> None:
     small = preset_workload("trace1", 200, seed=4, scale=0.5)
     full = preset_workload("trace1", 200, seed=4)

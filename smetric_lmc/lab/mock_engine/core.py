@@ -274,7 +274,7 @@ class MockEngineCore:
         return True
 
     # ---- model callbacks ------------------------------------------------------------------------
-    def _account(self, pos: int, t: float, tokens: int) -> None:
+    def _account(self, pos: int, t: float, tokens: int, decoded: int = 0) -> None:
         pass  # throughput is measured by clients; the model's windows are not needed live
 
     def _account_busy(self, pos: int, t0: float, t1: float) -> None:

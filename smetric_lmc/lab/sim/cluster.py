@@ -26,10 +26,11 @@ from smetric_lmc.lab.sim.cache import PrefixCache, first_mismatch
 from smetric_lmc.lab.sim.config import SimConfig, global_capacity_blocks
 from smetric_lmc.lab.sim.engine import Instance
 from smetric_lmc.lab.sim.global_tier import GlobalTier, Links
-from smetric_lmc.lab.sim.load_signal import ScrapedLoadTracker
+from smetric_lmc.lab.sim.load_signal import BatchLoadTracker, ScrapedLoadTracker
 from smetric_lmc.lab.sim.metrics import Recorder, RunStats, SimResult, summarize
 from smetric_lmc.lab.sim.profile import Profile, load_profile
 from smetric_lmc.lab.sim.request import SimRequest
+from smetric_lmc.lab.sim.token_load import InflightTokens
 from smetric_lmc.lab.sim.transfer import Network
 from smetric_lmc.lab.workload.model import TraceSession, Workload
 from smetric_lmc.load import LoadTracker
@@ -189,7 +190,9 @@ class Simulator:
         self.now = 0.0
         self.index = _make_index(self.bs, lambda: self.now)
         self.load = (
-            ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
+            BatchLoadTracker(lambda: self.now, lambda iid: self.by_id[iid].n_running)
+            if policy.name in cfg.batch_load_policies
+            else ScrapedLoadTracker(lambda: self.now, cfg.scrape_s) if cfg.load_signal == "scrape"
             else LoadTracker(clock=lambda: self.now)
         )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
@@ -226,6 +229,8 @@ class Simulator:
         # decision and summed per window: the secondary, routing-time imbalance figure
         self.win_load: list[np.ndarray] = []
         self.win_samples: list[int] = []
+        # the paper's load: in-flight tokens per instance, time-averaged per window (sim/token_load.py)
+        self.tok_load = InflightTokens(cfg.instances, cfg.window_s)
         self._ids = [i.iid for i in self.instances]
         self.events = 0
         self._n_sessions = 0
@@ -258,9 +263,11 @@ class Simulator:
             store.append(np.zeros(len(self.instances), dtype=dtype))
         return store
 
-    def account(self, pos: int, t: float, tokens: int) -> None:
+    def account(self, pos: int, t: float, tokens: int, decoded: int = 0) -> None:
         w = int(t // self.cfg.window_s)
         self._windows(self.win_tokens, w, np.int64)[w][pos] += tokens
+        if decoded:
+            self.tok_load.add(pos, t, decoded)
 
     def account_busy(self, pos: int, t0: float, t1: float) -> None:
         # the measurement window is known before the run: clip to it exactly
@@ -359,6 +366,7 @@ class Simulator:
             busy_in_window_by=self.busy_in_window_by,
             win_load=self.win_load,
             win_samples=self.win_samples,
+            win_inflight_tokens=self.tok_load.windows(self.now),
             first_root_start=self.first_root_start,
             last_root_start=self.last_root_start,
             measure_from=self.measure_from,
@@ -415,6 +423,7 @@ class Simulator:
         inst = self.by_id[routed.instance_id]
         r.inst = inst
         self._sample_load(t)
+        self.tok_load.add(inst.pos, t, r.input)
         r.reason = routed.reason.value
         if tr.turn == 0 or sess.first_inst < 0:
             # a fork or sub-agent starts at turn > 0 (it carries its parent's turns): its own first
@@ -439,11 +448,16 @@ class Simulator:
 
     def on_prefill_done(self, r: SimRequest, t: float) -> None:
         self.load.on_prefilled(r.rid)
+        if self.cfg.pd:  # the prefill token load: the prompt leaves it once prefilled
+            assert r.inst is not None
+            self.tok_load.add(r.inst.pos, t, -r.input)
 
     def on_finish(self, r: SimRequest, t: float) -> None:
         self.load.on_done(r.rid)
         assert r.inst is not None
         self.rec.add(r, r.inst.pos)
+        if not self.cfg.pd:  # the prompt and every decoded token after the first were added
+            self.tok_load.add(r.inst.pos, t, -(r.input + max(0, r.decoded - 1)))
         done = t
         if self.cfg.pd:
             # Decode runs on the separate decode pool at a fixed pace.

@@ -43,6 +43,10 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # exact; scrape = the engines' metrics polled every scrape_s seconds (stale in between).
     load_signal: Literal["router", "scrape"] = "router"
     scrape_s: float = 5.0
+    # Policies that read each engine's running batch size as their load instead (sim/load_signal.py,
+    # BatchLoadTracker; live, load_signal does not apply to them): `sim paper` lists the paper's
+    # Bailian (§4.1: "batch size") and LMetric (its own paper: "current batch size").
+    batch_load_policies: tuple[str, ...] = ()
     pd: bool = False  # PD disaggregation: instances only prefill
     pd_decode_tpot_s: float = 0.020  # decode pace assumed on the separate decode pool (PD mode)
     slo: SLO = msgspec.field(default_factory=SLO)

@@ -40,7 +40,7 @@ class EngineHost(Protocol):
 
     def push_segment(self, inst: Instance) -> None: ...
     def push_call(self, t: float, fn: Callable[[float], None]) -> None: ...
-    def account(self, pos: int, t: float, tokens: int) -> None: ...
+    def account(self, pos: int, t: float, tokens: int, decoded: int = 0) -> None: ...
     def account_busy(self, pos: int, t0: float, t1: float) -> None: ...
     def on_prefill_done(self, r: SimRequest, t: float) -> None: ...
     def on_finish(self, r: SimRequest, t: float) -> None: ...
@@ -309,7 +309,7 @@ class Instance:
         self.iterations += k
         n_dec = len(self.decoding)
         self.dec_ctx += k * n_dec
-        self.sim.account(self.pos, t, k * n_dec)
+        self.sim.account(self.pos, t, k * n_dec, decoded=k * n_dec)
         self._decode_steps(k, t)
         self.seg_cum = None
 
@@ -338,7 +338,7 @@ class Instance:
             tokens += n
             if r.todo == 0:
                 finished_prefill.append(r)
-        self.sim.account(self.pos, t, tokens)
+        self.sim.account(self.pos, t, tokens, decoded=n_dec)
         if finished_prefill:
             done = set(map(id, finished_prefill))
             self.prefilling = [r for r in self.prefilling if id(r) not in done]

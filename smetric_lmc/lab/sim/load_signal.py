@@ -59,3 +59,24 @@ class ScrapedLoadTracker(LoadTracker):
     def unprefilled(self, instance_id: str) -> int:
         self._fresh()
         return self._snap_unpre.get(instance_id, 0)
+
+
+class BatchLoadTracker(LoadTracker):
+    """A ``LoadTracker`` whose readers see each engine's running batch (requests it admitted, not
+    those queued behind them), as the paper's Bailian reads load ("batch size", §4.1) and LMetric does
+    ("current batch size of the instance", LMetric's own paper). A full batch stops growing while its
+    queue does, so a KV-favoured instance keeps attracting work. Bookkeeping (and the unprefilled
+    tokens Dynamo reads) stays the router's."""
+
+    def __init__(self, clock: Callable[[], float], batch: Callable[[str], int]) -> None:
+        super().__init__(clock=clock)
+        self._batch = batch
+
+    def aligned(self, order: list[str], key: tuple[int, int]) -> DenseLoads:  # type: ignore[override]
+        return DenseLoads(self.loads(order))
+
+    def loads(self, instance_ids: list[str], disaggregated: bool = False) -> list[int]:
+        return [self._batch(i) for i in instance_ids]
+
+    def in_flight(self, instance_id: str) -> int:
+        return self._batch(instance_id)

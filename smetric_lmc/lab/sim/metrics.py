@@ -114,6 +114,8 @@ class RunStats:
     fetched_bytes: float
     fetched_remote_bytes: float
     stored_bytes: float
+    # (windows, instances): mean in-flight tokens (prefill tokens under PD), sim/token_load.py
+    win_inflight_tokens: np.ndarray | None = None
 
 
 def summarize(st: RunStats) -> SimResult:
@@ -207,4 +209,8 @@ def summarize(st: RunStats) -> SimResult:
         samples = np.maximum(np.asarray(st.win_samples, dtype=np.float64), 1)[:, None]
         imb = imbalance(np.stack(st.win_load) / samples)
     s.update(inflight_imbalance_mean=imb["mean"], inflight_imbalance_p95=imb["p95"])
+    # The paper's load imbalance (§4.1, Fig. 15b, Fig. 21b): in-flight tokens, queued ones included.
+    if st.win_inflight_tokens is not None:
+        imb = imbalance(st.win_inflight_tokens)
+        s.update(load_imbalance_mean=imb["mean"], load_imbalance_p95=imb["p95"])
     return SimResult(st.policy, s, ttft_s, tpot_s, win, cols)

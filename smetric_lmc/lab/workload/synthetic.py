@@ -79,6 +79,12 @@ class SyntheticParams:
     # Presets replayed on a model with a shorter window clip it there, as a real agent would.
     context_limit: int | None = None
     label: str = "weka"  # the preset these parameters come from (names the workload)
+    # Per-user prompt variants: only the first `prompt_shared_tokens` (unscaled) of a framework prompt
+    # are the same for every session of that framework; the rest (environment, memory files, tool
+    # list as rendered after them) is the same only for the sessions of one user, about
+    # `sessions_per_user` root sessions each. None: the whole framework prompt is shared (the WEKA fit).
+    prompt_shared_tokens: int | None = None
+    sessions_per_user: float = 1.0
 
     def scaled(self, scale: float) -> SyntheticParams:
         return dataclasses.replace(self, scale=scale)
@@ -142,6 +148,7 @@ class _Gen:
         self.kind_names = list(p.kinds)
         self.kind_p = np.array([p.kinds[k] for k in self.kind_names], dtype=float)
         self.kind_p /= self.kind_p.sum()
+        self.user = -1  # the current root session's user (per-user prompt variants), -1: none
 
     def tokens(self, x: np.ndarray | float) -> np.ndarray:
         return np.maximum(1, np.rint(np.asarray(x, dtype=float) * self.p.scale)).astype(np.int64)
@@ -218,6 +225,10 @@ class _Gen:
             else:
                 k = min(prompt_blocks, longest)
                 ids[:k] = self._shared_ids(agent, k)
+                if p.prompt_shared_tokens is not None and self.user >= 0:
+                    # past the shared head, the prompt is this user's variant of the framework's
+                    head = min(k, int(self.tokens(p.prompt_shared_tokens)) // bs)
+                    ids[head:k] = _stream_ids(np.uint64(hash_agent(f"{agent}@user{self.user}")), k)[head:k]
             for i in idx:
                 blocks[i] = ids[: nblocks[i]]
 
@@ -268,9 +279,12 @@ def synthetic(
     sessions: list[TraceSession] = []
     names = list(p.frameworks)
     probs = np.array([p.frameworks[k] for k in names], dtype=float)
+    users = max(1, round(n_sessions / p.sessions_per_user))
     for i in range(n_sessions):
         # one framework (the WEKA fit) draws nothing, so its workloads stay what they were
         fw = names[int(gen.rng.choice(len(names), p=probs / probs.sum()))] if len(names) > 1 else names[0]
+        if p.prompt_shared_tokens is not None:
+            gen.user = int(gen.rng.integers(users))
         gen.session(f"syn{i:05d}", fw, p.main, None, 0.0, sessions)
     meta = {
         "source": "synthetic",
