@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -92,6 +93,35 @@ up.bring_up = bring_up
 up.banner = lambda stack: "banner"
 sys.exit(up.run_up(SimpleNamespace(workdir=str(tmp), host="127.0.0.1", port=0, metrics_port=0, route_port=0)))
 """
+
+
+_RUN_UP_SIGNAL_IN_POLL = _RUN_UP.replace("up.banner = ", """
+class Sup:  # Popen.poll's window: its wait lock taken, its try/finally not yet entered
+    def check(self):
+        child.proc._waitpid_lock.acquire(False)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(1000))  # a few bytecodes for the handler to run between
+        child.proc._waitpid_lock.release()
+        return []
+import os
+up.supervisor = lambda stack: Sup()
+up.banner = """)
+
+
+def test_a_signal_landing_inside_a_poll_still_stops_the_stack(tmp_path: Path) -> None:
+    """A handler that raised there left the lock held and the stop waited on it forever."""
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_UP_SIGNAL_IN_POLL, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, SMETRIC_STATE_DIR=str(tmp_path / "state")))
+    try:
+        assert proc.stdout is not None
+        pgid = int(proc.stdout.readline())
+        assert proc.wait(timeout=20) == 0
+        assert up.group_members(pgid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

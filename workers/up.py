@@ -259,8 +259,23 @@ class _Stop(Exception):
     pass
 
 
-def _raise_stop(signum: int, _frame: Any) -> None:
-    raise _Stop(signal.Signals(signum).name)
+class _StopSignal:
+    """SIGINT/SIGTERM handler: aborts a bring-up by raising, but only records a signal afterwards.
+
+    An exception raised from a signal handler lands between any two bytecodes; inside
+    ``Popen.poll`` it can leave the Popen's wait lock held, and the stop that follows then waits
+    on it forever. Once the stack is up, the supervision loop polls ``requested`` instead.
+    """
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self.raising = True
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
+        if self.raising:
+            self.raising = False  # once: a second signal must not interrupt the cleanup
+            raise _Stop(self.requested)
 
 
 def supervisor(stack: LocalStack, **kw: Any) -> Supervisor:
@@ -316,7 +331,8 @@ def run_up(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     # Both explicitly: a shell starts background jobs with SIGINT ignored, and Python then never
     # turns SIGINT into KeyboardInterrupt.
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    on_signal = _StopSignal()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack: LocalStack | None = None
     # Every child inherits this mark, so `smetric down` finds them even if this process is killed.
     up_id = os.environ.setdefault(UP_ID_ENV, uuid.uuid4().hex)
@@ -327,13 +343,17 @@ def run_up(args: argparse.Namespace) -> int:
         state = _state_path(args.port)
         write_state(state, up_id, workdir, None, ports)
         stack = bring_up(args, workdir)
+        on_signal.raising = False
+        if on_signal.requested:  # it came as bring_up returned
+            raise _Stop(on_signal.requested)
         write_state(state, up_id, workdir, stack, ports)
         print(banner(stack), flush=True)
         sup = supervisor(stack)
-        while True:
+        while not on_signal.requested:
             if sup.check():
                 write_state(state, up_id, workdir, stack, ports)  # restarted parts have new groups
             time.sleep(0.5)
+        raise _Stop(on_signal.requested)
     except (KeyboardInterrupt, _Stop):
         log.info("stopping the stack")
         return 0
