@@ -49,6 +49,7 @@ import aiohttp
 
 from smetric_lmc.lab.mock_engine.cli import MockInstance
 from smetric_lmc.lab.mock_engine.stack import start_mock_engines
+from smetric_lmc.lab.mock_engine.tokenizer_dir import write_tokenizer_dir
 from smetric_lmc.lab.replay.prompts import TokenSpace
 from smetric_lmc.lab.replay.runner import ReplayConfig, replay
 from smetric_lmc.lab.replay.summary import summarize_records
@@ -147,6 +148,7 @@ MODES = {
 # (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
 # kv_aware index stayed empty and it never credited a cached prefix).
 EVENT_ARGS = ("--topic", "")
+GATEWAY_TOKENIZE = "local"  # our gateway's tokenizer: "local" (--tokenizer) or "engine" (/tokenize); --gateway-tokenize
 MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
 
 
@@ -197,11 +199,15 @@ class Router:
             inst["kv_events_topic"] = EVENT_ARGS[1]  # the engines' topic (see EVENT_ARGS)
         path = up.write_config(cfg, self.workdir / "smetric.yaml")
         self.groups.append(up.start_controller(path, metrics_port, self.workdir))
-        self.groups.append(up.start_gateway(path, port, self.workdir))
+        # The mock's tokenizer as a directory: the gateway tokenizes locally, as it does in front of
+        # vLLM with --tokenizer; GATEWAY_TOKENIZE = "engine" measures the /tokenize round trip instead.
+        tok = write_tokenizer_dir(self.workdir / "tokenizer") if GATEWAY_TOKENIZE == "local" else None
+        self.groups.append(up.start_gateway(path, port, self.workdir, tokenizer=tok))
         self.url = f"http://127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.argv = [f"smetric controller --config smetric.yaml  (policy: {self.conf.policy})",
-                     f"smetric gateway --config smetric.yaml --port {port}"]
+                     f"smetric gateway --config smetric.yaml --port {port}"
+                     + (" --tokenizer tokenizer/  (the mock's byte tokenizer, written as a tokenizer dir)" if tok else "")]
 
     def _start_peer(self) -> None:
         port, prom = launch.free_ports(2)
@@ -525,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
     ap.add_argument("--no-latency", action="store_true", help="skip the added-latency phase")
     ap.add_argument("--latency-pairs", type=int, help="request pairs per router in the added-latency phase")
+    ap.add_argument("--gateway-tokenize", choices=("local", "engine"), default="local",
+                    help="our gateway tokenizes with the mock's tokenizer directory (--tokenizer, as in front of "
+                         "vLLM) or with an engine's /tokenize (a round trip per request)")
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
     ap.add_argument("--workloads", help="comma-separated subset of the mode's workloads (trace1, weka)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
@@ -552,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.sessions:
         mode.sessions = mode.weka_sessions = args.sessions
+    global GATEWAY_TOKENIZE
+    GATEWAY_TOKENIZE = args.gateway_tokenize
     if args.latency_pairs:
         mode.latency_requests = args.latency_pairs
     if args.no_latency:

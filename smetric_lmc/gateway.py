@@ -62,7 +62,8 @@ from smetric_lmc.gateway_prompt import (
     parse_turn_header,
 )
 from smetric_lmc.hashing import HashSettings
-from smetric_lmc.session import SessionHints
+from smetric_lmc.local_tokenizer import LocalChatTokenizer, TokenizerDirError
+from smetric_lmc.session import ChatTokenizer, SessionHints
 from smetric_lmc.wire import HashChain, RouteDecision
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ class Gateway:
         self.tokenize_timeout_s = tokenize_timeout_s
         # The config's hashing until the controller's stats reply says what its index uses.
         self.hashing = HashSettings.from_config(cfg)
-        self._hf = _load_hf(tokenizer_dir) if tokenizer_dir else None
+        self._hf = _load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+        self._tokenizer_check: asyncio.Task[bool | None] | None = None
         self._http: aiohttp.ClientSession | None = None
         self._client: AsyncRouteClient | None = None
         self._reader: PromptReader | None = None
@@ -221,9 +223,13 @@ class Gateway:
                                     timeout_s=self.tokenize_timeout_s, metrics=self.metrics)
         await self._adopt_hashing()
         log.info("gateway: controller=%s instances=%s block_size=%d tokenizer=%s", self.controller_url,
-                 ",".join(self._by_id), self.hashing.block_size, "hf" if self._hf else "engine /tokenize")
+                 ",".join(self._by_id), self.hashing.block_size, "local" if self._hf else "engine /tokenize")
+        if self._reader.local:  # falls back to the engines' /tokenize if they disagree
+            self._tokenizer_check = self._spawn(self._reader.check_local(self.cfg.model or None))
 
     async def _cleanup(self, _app: web.Application) -> None:
+        if self._tokenizer_check is not None:
+            self._tokenizer_check.cancel()  # it may be waiting for engines that never came
         if self._background:
             await asyncio.wait(list(self._background), timeout=5.0)
         if self._client is not None:
@@ -673,13 +679,22 @@ class Gateway:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-def _load_hf(tokenizer_dir: str) -> Any:
+def _load_tokenizer(tokenizer_dir: str) -> ChatTokenizer | None:
+    """The served model's tokenizer from its directory: ``tokenizers`` + ``jinja2`` where the
+    directory has a ``tokenizer.json`` and a template they render, else ``transformers``; None
+    (tokenize with the engines' /tokenize) when neither can read it."""
+    try:
+        tok = LocalChatTokenizer(tokenizer_dir)
+        log.info("gateway: tokenizing locally from %s (tokenizers + jinja2)", tokenizer_dir)
+        return tok
+    except (ImportError, TokenizerDirError) as exc:
+        log.info("gateway: no light local tokenizer (%s); trying transformers", exc)
     try:
         from smetric_lmc.session import HFChatTokenizer
 
         return HFChatTokenizer(tokenizer_dir)
     except ImportError as exc:
-        log.warning("gateway: --tokenizer given but transformers is not importable (%s); "
+        log.warning("gateway: --tokenizer given but neither tokenizers + jinja2 nor transformers can read it (%s); "
                     "tokenizing with the engines' /tokenize", exc)
         return None
 
@@ -767,7 +782,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--tokenizer", default=None,
-                   help="served model's tokenizer dir (needs transformers); default: the engines' /tokenize")
+                   help="served model's tokenizer dir, read locally (tokenizers + jinja2: the `tokenizer` extra; "
+                        "else transformers); default: the engines' /tokenize, a round trip per request")
     p.add_argument("--route-timeout-s", type=float, default=1.0, help="wait this long for a route decision")
     p.add_argument("--controller-retry-s", type=float, default=2.0,
                    help="after the controller failed to answer, route round-robin this long before asking again")

@@ -1,9 +1,10 @@
 """What the gateway learns from a request body before routing it, and from a response after.
 
 * :class:`PromptReader` turns an OpenAI request into the prompt's token ids, its turn and its
-  est_hit (DESIGN.md §1), either with the served model's own tokenizer and chat template
-  (``HFChatTokenizer``, when ``transformers`` is importable) or by asking an engine's
-  ``POST /tokenize``, which applies the same chat template the engine will apply.
+  est_hit (DESIGN.md §1), either with the served model's own tokenizer and chat template, local
+  (``LocalChatTokenizer`` from ``tokenizers`` + ``jinja2``, or ``HFChatTokenizer`` with
+  ``transformers``), or by asking an engine's ``POST /tokenize``, which applies the same chat
+  template the engine will apply (a round trip per request).
 * :class:`UsageSniffer` reads a *copy* of the bytes streamed back to the client (SSE or JSON) to
   pick up ``usage`` for the done report; the client's bytes are never touched.
 """
@@ -21,8 +22,9 @@ from typing import Any, Literal
 
 import aiohttp
 
+from smetric_lmc.backoff import Backoff
 from smetric_lmc.gateway_metrics import GatewayMetrics
-from smetric_lmc.session import ChatTokenEstimator, HFChatTokenizer, Message, history_of, turn_of
+from smetric_lmc.session import ChatTokenEstimator, ChatTokenizer, Message, history_of, turn_of
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,18 @@ Kind = Literal["chat", "completion"]
 _EXPLORE = 16
 _TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                     "chat_template", "chat_template_kwargs")
+
+# What the local tokenizer is checked on: roles, tools, a tool call, digits, spacing and non-ASCII
+# text, where tokenizer pipelines (normalizer, split rules, template) tend to differ.
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "grep", "description": "Search files ✓",
+                 "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}}}]
+_PROBE_CHAT: list[Message] = [
+    {"role": "system", "content": "You are a coding agent.  Two spaces, a tab\tand 1234567 digits."},
+    {"role": "user", "content": "Trouve « l'erreur » dans main.py:42 — 日本語 🎉\n\n  indented"},
+    {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "grep", "arguments": "{\"pattern\": \"def main\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "main.py:42: def main() -> None:"},
+]
 
 
 class BadRequest(ValueError):
@@ -66,7 +80,7 @@ class PromptReader:
         self,
         tokenize_urls: Sequence[str],
         http: aiohttp.ClientSession,
-        hf: HFChatTokenizer | None = None,
+        hf: ChatTokenizer | None = None,
         timeout_s: float = 10.0,
         metrics: GatewayMetrics | None = None,
     ) -> None:
@@ -138,11 +152,59 @@ class PromptReader:
             raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
         approx = self.estimator.count_text(prompt)
         if self._hf is not None:
-            ids = await asyncio.to_thread(self._hf.tok.encode, prompt)
-            return PromptInfo(list(ids), explicit_turn, None, approx)
+            ids = await asyncio.to_thread(self._hf.encode_prompt, prompt, bool(body.get("add_special_tokens", True)))
+            return PromptInfo(ids, explicit_turn, None, approx)
         extra = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
         ids = await self._tokenize({"model": body.get("model"), "prompt": prompt, **extra})
         return PromptInfo(ids, explicit_turn, None, approx)
+
+    # ---- the local tokenizer, checked against the engines' --------------------------------------
+    @property
+    def local(self) -> bool:
+        """Whether prompts are tokenized here (a tokenizer directory) rather than by an engine."""
+        return self._hf is not None
+
+    async def check_local(self, model: str | None, attempts: int = 20, first_wait_s: float = 0.5) -> bool | None:
+        """Tokenize a probe chat here and with an engine's /tokenize; on any difference, log it
+        and tokenize with the engines from now on (a tokenizer that disagrees with the engine's
+        routes every request on hashes no engine will ever report). True: they agree; False: they
+        differ; None: no engine answered in ``attempts`` tries (the local tokenizer stays)."""
+        if self._hf is None or not self._urls:
+            return None
+        mine = self._hf.encode_chat(_PROBE_CHAT, _PROBE_TOOLS, generation=True)
+        body = {"model": model, "messages": _PROBE_CHAT, "tools": _PROBE_TOOLS, "add_generation_prompt": True}
+        backoff = Backoff(first_wait_s, 30.0)
+        for _ in range(attempts):
+            for url in self._urls:
+                theirs = await self._engine_ids(url, {k: v for k, v in body.items() if v is not None})
+                if theirs is None:
+                    continue
+                if theirs == mine:
+                    log.info("gateway: the local tokenizer agrees with %s/tokenize on the probe chat", url)
+                    self.counters["local_tokenizer_checked"] = 1
+                    return True
+                k = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+                log.error("gateway: the local tokenizer disagrees with %s/tokenize on the probe chat (%d vs %d "
+                          "tokens, first difference at token %d): tokenizing with the engines' /tokenize instead; "
+                          "point --tokenizer at the served model's own tokenizer directory", url, len(mine),
+                          len(theirs), k)
+                self._hf = None
+                self.counters["local_tokenizer_mismatch"] = 1
+                return False
+            await asyncio.sleep(backoff.next())
+        log.warning("gateway: no engine answered /tokenize; the local tokenizer was not checked against them")
+        return None
+
+    async def _engine_ids(self, url: str, payload: dict[str, Any]) -> list[int] | None:
+        """One engine's /tokenize of ``payload`` (a check: neither counted nor timed)."""
+        try:
+            async with self._http.post(f"{url}/tokenize", json=payload, timeout=self._timeout) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status == 200 and isinstance(data, dict) and isinstance(data.get("tokens"), list):
+                    return [int(t) for t in data["tokens"]]
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+            pass
+        return None
 
     # ---- engine /tokenize ---------------------------------------------------------------------
     async def _tokenize(self, payload: dict[str, Any]) -> list[int] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 Message = dict[str, Any]
 
@@ -98,6 +98,17 @@ class ChatTokenEstimator:
         self.observations += 1
 
 
+class ChatTokenizer(Protocol):
+    """The served model's tokenizer and chat template, local to the gateway."""
+
+    def encode_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None, *,
+                    generation: bool) -> list[int]: ...
+
+    def count(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> int: ...
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
 class HFChatTokenizer:
     """The served model's own tokenizer and chat template (optional extra ``smetric-lmc[hf]``)."""
 
@@ -116,6 +127,9 @@ class HFChatTokenizer:
 
     def count(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> int:
         return len(self.encode_chat(messages, tools, generation=False))
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
 
 #: Session headers the peer ecosystems send, accepted next to ours: production-stack's router reads

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from gateway_helpers import (
@@ -390,3 +391,69 @@ async def test_metrics_carry_no_created_series(make_stack: StackFactory) -> None
     async with s.http.get(f"{s.base}/metrics") as resp:
         text = await resp.text()
     assert "smetric_gateway" in text and "_created" not in text
+
+
+async def test_with_a_tokenizer_directory_no_request_waits_on_an_engine_tokenize(
+        make_stack: StackFactory, tmp_path: Path) -> None:
+    from smetric_lmc.lab.mock_engine.tokenizer_dir import write_tokenizer_dir
+
+    # the fake engines tokenize as the mock does (UTF-8 bytes, ChatML), so its directory serves them
+    tok_dir = write_tokenizer_dir(tmp_path / "tok")
+    s: Stack = await make_stack(gateway_kw={"tokenizer_dir": str(tok_dir)})
+    for e in s.engines:
+        e.tokenize_broken = True  # were it asked, the counts below would be estimates
+    seen = []
+    reader = s.gateway.prompt_reader
+    assert reader is not None
+    read = reader.read
+
+    async def spy(*a: Any) -> Any:
+        seen.append(await read(*a))
+        return seen[-1]
+
+    reader.read = spy  # type: ignore[method-assign]
+    for k in range(3):
+        msgs = chat_with_history(k)
+        resp = await s.chat(msgs)
+        assert resp.status == 200
+        assert seen[-1].token_ids == tokens_of(render(msgs, True))
+        assert int(resp.headers["X-SMetric-Est-Hit"]) == len(tokens_of(render(msgs[:3], False))) // BLOCK * BLOCK
+    assert reader.counters == {"tokenize_calls": 0, "tokenize_failures": 0, "untokenized": 0}
+
+
+async def test_a_local_tokenizer_is_checked_against_the_engines_and_dropped_when_it_disagrees(
+        make_stack: StackFactory, tmp_path: Path) -> None:
+    from smetric_lmc.lab.mock_engine.tokenizer_dir import CHATML_TEMPLATE, write_tokenizer_dir
+
+    agrees = write_tokenizer_dir(tmp_path / "same")
+    s: Stack = await make_stack(gateway_kw={"tokenizer_dir": str(agrees)})
+    reader = s.gateway.prompt_reader
+    assert reader is not None and await reader.check_local("tiny") is True and reader.local
+
+    # a template one space off: every prompt's hashes would differ from what the engines report
+    differs = write_tokenizer_dir(tmp_path / "off")
+    cfg = json.loads((differs / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHATML_TEMPLATE.replace("'<|im_end|>\\n'", "' <|im_end|>\\n'")
+    (differs / "tokenizer_config.json").write_text(json.dumps(cfg))
+    s = await make_stack(gateway_kw={"tokenizer_dir": str(differs)})
+    reader = s.gateway.prompt_reader
+    assert reader is not None and reader.local
+    assert await reader.check_local("tiny") is False
+    assert not reader.local and reader.counters["local_tokenizer_mismatch"] == 1
+    resp = await s.chat(MSGS)
+    assert resp.status == 200 and reader.counters["tokenize_calls"] >= 1  # the engines tokenize now
+
+
+async def test_the_check_waits_for_an_engine_and_keeps_the_tokenizer_when_none_answers(
+        make_stack: StackFactory, tmp_path: Path) -> None:
+    from smetric_lmc.lab.mock_engine.tokenizer_dir import write_tokenizer_dir
+
+    s: Stack = await make_stack(gateway_kw={"tokenizer_dir": str(write_tokenizer_dir(tmp_path / "tok"))})
+    reader = s.gateway.prompt_reader
+    assert reader is not None
+    for e in s.engines:
+        e.tokenize_broken = True
+    assert await reader.check_local("tiny", attempts=2, first_wait_s=0.01) is None and reader.local
+    for e in s.engines:
+        e.tokenize_broken = False
+    assert await reader.check_local("tiny", attempts=2, first_wait_s=0.01) is True

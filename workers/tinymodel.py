@@ -33,13 +33,17 @@ log = logging.getLogger("tinymodel")
 
 STAMP_NAME = ".smetric-tinymodel.json"
 # Bump when the recipe changes so that cached builds are redone.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: Qwen2's pre-tokenizer and normalizer in tokenizer.json
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Enough text for a stable 4k-token vocabulary while keeping the build to a few seconds.
 MAX_CORPUS_BYTES = 6 * 1024 * 1024
 
 # Qwen2-style ChatML. `tools` are rendered as a system block so that requests carrying tools
 # produce a deterministic, tokenizable prompt (the router counts them in the carried history).
+# Qwen2's pre-tokenizer split (its published tokenizer.json)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n# Tools\\n' }}"
@@ -93,11 +97,19 @@ def _corpus() -> Iterator[str]:
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own pipeline (NFC, its split regex, then bytes), as in published Qwen2/Qwen3
+    # tokenizer.json files: transformers >= 5 rebuilds a qwen2 model's tokenizer with it whatever
+    # tokenizer.json says, so a file that says otherwise would tokenize one way in vLLM and
+    # another in any reader of the file (the gateway's local tokenizer).
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

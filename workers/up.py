@@ -218,8 +218,11 @@ def bring_up(args: argparse.Namespace, workdir: Path) -> LocalStack:
         write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(start_controller(stack.config_path, metrics_port, workdir))
-        # The model's own tokenizer when this interpreter has transformers; else engines' /tokenize.
-        tok = model if importlib.util.find_spec("transformers") is not None else None
+        # The model's own tokenizer, read here (tokenizers + jinja2, or transformers), when this
+        # interpreter can; else the engines' /tokenize, a round trip per request.
+        local = all(importlib.util.find_spec(m) for m in ("tokenizers", "jinja2")) \
+            or importlib.util.find_spec("transformers") is not None
+        tok = model if local else None
         stack.processes.append(start_gateway(stack.config_path, port, workdir, host=args.host, tokenizer=tok))
     except BaseException:
         stack.stop()

@@ -7,6 +7,7 @@ process writes a ready file listing its instances, which is how the controller c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from smetric_lmc.lab.mock_engine.cli import MockInstance, load_ready
+from smetric_lmc.lab.mock_engine.tokenizer_dir import write_tokenizer_dir
 from smetric_lmc.workers import launch, up
 
 
@@ -108,9 +110,18 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(up.start_controller(stack.config_path, metrics_port, workdir))
         extra = ["--route-timeout-s", str(route_timeout_s)] if route_timeout_s else []
-        stack.processes.append(up.start_gateway(stack.config_path, port, workdir, host=args.host, extra_args=extra))
+        stack.processes.append(up.start_gateway(stack.config_path, port, workdir, host=args.host, extra_args=extra,
+                                                tokenizer=_tokenizer_dir(workdir)))
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def _tokenizer_dir(workdir: Path) -> Path | None:
+    """The mock's tokenizer as a directory for the gateway (local tokenizing, as with vLLM and
+    --tokenizer); None without the `tokenizer` extra: the gateway then asks the engines' /tokenize."""
+    if importlib.util.find_spec("tokenizers") is None or importlib.util.find_spec("jinja2") is None:
+        return None
+    return write_tokenizer_dir(workdir / "tokenizer")
 
