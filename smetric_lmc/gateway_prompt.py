@@ -35,6 +35,11 @@ _EXPLORE = 16
 _TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                     "chat_template", "chat_template_kwargs")
 
+# Prompts up to this many (estimated) tokens are tokenized on the event loop (well under a
+# millisecond); longer ones in a worker thread, whose hand-off costs more than a short prompt's
+# whole tokenization but keeps a long one from stalling other requests.
+_INLINE_TOKENS = 2048
+
 # What the local tokenizer is checked on: roles, tools, a tool call, digits, spacing and non-ASCII
 # text, where tokenizer pipelines (normalizer, split rules, template) tend to differ.
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "grep", "description": "Search files ✓",
@@ -113,7 +118,10 @@ class PromptReader:
         hist = history_of(messages) if turn > 0 else []
         approx = self.estimator.count(messages, tools)
         if self._hf is not None:
-            ids, est = await asyncio.to_thread(self._hf_counts, messages, hist, tools, body)
+            if approx <= _INLINE_TOKENS:
+                ids, est = self._hf_counts(messages, hist, tools, body)
+            else:
+                ids, est = await asyncio.to_thread(self._hf_counts, messages, hist, tools, body)
             return PromptInfo(ids, turn, est, approx)
         extra = {k: body[k] for k in _TEMPLATE_FIELDS if k in body}
         full = self._tokenize({"model": body.get("model"), "messages": messages, "tools": tools, **extra})
@@ -152,7 +160,11 @@ class PromptReader:
             raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
         approx = self.estimator.count_text(prompt)
         if self._hf is not None:
-            ids = await asyncio.to_thread(self._hf.encode_prompt, prompt, bool(body.get("add_special_tokens", True)))
+            special = bool(body.get("add_special_tokens", True))
+            if approx <= _INLINE_TOKENS:
+                ids = self._hf.encode_prompt(prompt, special)
+            else:
+                ids = await asyncio.to_thread(self._hf.encode_prompt, prompt, special)
             return PromptInfo(ids, explicit_turn, None, approx)
         extra = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
         ids = await self._tokenize({"model": body.get("model"), "prompt": prompt, **extra})
