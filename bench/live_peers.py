@@ -79,8 +79,9 @@ class RouterConf:
 
 
 def default_confs() -> list[RouterConf]:
-    return ([RouterConf("ours", p) for p in OURS] + [RouterConf("vllm", p) for p in VLLM]
-            + [RouterConf("sglang", p) for p in SGLANG])
+    # ours:smetric[process=one]: the gateway runs the controller in its own process (--with-controller)
+    return ([RouterConf("ours", p) for p in OURS] + [RouterConf("ours", "smetric", (("process", "one"),))]
+            + [RouterConf("vllm", p) for p in VLLM] + [RouterConf("sglang", p) for p in SGLANG])
 
 
 def tuning_confs() -> list[RouterConf]:
@@ -130,7 +131,8 @@ class Mode:
 # round_robin, SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a
 # shared 2-core machine. Calibrated on ours:load_balance alone (2 / 6 / 18 sessions/s: TPS within
 # SLO 5.2k / 10.4k / 7.1k tok/s).
-QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
+QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "ours:smetric[process=one]",
+                 "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
     "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
@@ -192,22 +194,26 @@ class Router:
 
     def _start_ours(self) -> None:
         route_port, metrics_port, port = launch.free_ports(3)
+        overrides = dict(self.conf.params)
+        one_process = overrides.pop("process", "two") == "one"  # the gateway embeds the controller
         cfg = up.controller_config(self.infos, route_url=f"tcp://127.0.0.1:{route_port}",  # type: ignore[arg-type]
                                    metrics_port=metrics_port, policy=self.conf.policy,
-                                   policy_overrides=dict(self.conf.params) or None, metrics_poll_s=1.0)
+                                   policy_overrides=overrides or None, metrics_poll_s=1.0)
         for inst in cfg["instances"]:
             inst["kv_events_topic"] = EVENT_ARGS[1]  # the engines' topic (see EVENT_ARGS)
         path = up.write_config(cfg, self.workdir / "smetric.yaml")
-        self.groups.append(up.start_controller(path, metrics_port, self.workdir))
+        if not one_process:
+            self.groups.append(up.start_controller(path, metrics_port, self.workdir))
         # The mock's tokenizer as a directory: the gateway tokenizes locally, as it does in front of
         # vLLM with --tokenizer; GATEWAY_TOKENIZE = "engine" measures the /tokenize round trip instead.
         tok = write_tokenizer_dir(self.workdir / "tokenizer") if GATEWAY_TOKENIZE == "local" else None
-        self.groups.append(up.start_gateway(path, port, self.workdir, tokenizer=tok))
+        self.groups.append(up.start_gateway(path, port, self.workdir, tokenizer=tok,
+                                            extra_args=["--with-controller"] if one_process else ()))
         self.url = f"http://127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.argv = [f"smetric controller --config smetric.yaml  (policy: {self.conf.policy})",
-                     f"smetric gateway --config smetric.yaml --port {port}"
-                     + (" --tokenizer tokenizer/  (the mock's byte tokenizer, written as a tokenizer dir)" if tok else "")]
+        self.argv = ([] if one_process else [f"smetric controller --config smetric.yaml  (policy: {self.conf.policy})"]) + [
+            f"smetric gateway --config smetric.yaml --port {port}" + (" --with-controller" if one_process else "")
+            + (" --tokenizer tokenizer/  (the mock's byte tokenizer, written as a tokenizer dir)" if tok else "")]
 
     def _start_peer(self) -> None:
         port, prom = launch.free_ports(2)

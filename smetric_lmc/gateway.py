@@ -42,7 +42,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,7 @@ import aiohttp
 from aiohttp import web
 
 from smetric_lmc import eventloop, gateway_status
-from smetric_lmc.client import AsyncRouteClient, RouteError, RouteTimeout
+from smetric_lmc.client import AsyncRouteClient, InProcessRouteClient, RouteError, RouteTimeout
 from smetric_lmc.config import Config, ConfigError, InstanceConfig, default_config_path, load_config
 from smetric_lmc.gateway_metrics import AttemptRecord, GatewayMetrics
 from smetric_lmc.gateway_prompt import (
@@ -152,6 +152,8 @@ class Gateway:
         self._tokenizer_check: asyncio.Task[bool | None] | None = None
         self._http: aiohttp.ClientSession | None = None
         self._client: AsyncRouteClient | None = None
+        # Set when the controller runs in this process: routes are answered by its RouteCore directly.
+        self.in_process: Callable[[bytes], bytes] | None = None
         self._reader: PromptReader | None = None
         self._controller_down_until = 0.0
         self._served: set[str] = set()  # model names the engines serve (/v1/models), see _unknown_model
@@ -218,7 +220,8 @@ class Gateway:
         # before they could reach any engine; the engines queue requests themselves.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
                                            auto_decompress=False)
-        self._client = AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
+        self._client = InProcessRouteClient(self.in_process, timeout_s=self.route_timeout_s) \
+            if self.in_process is not None else AsyncRouteClient(self.controller_url, timeout_s=self.route_timeout_s)
         self._reader = PromptReader([i.http for i in self.instances], self._http, self._hf,
                                     timeout_s=self.tokenize_timeout_s, metrics=self.metrics)
         await self._adopt_hashing()
@@ -784,6 +787,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     p.add_argument("--tokenizer", default=None,
                    help="served model's tokenizer dir, read locally (tokenizers + jinja2: the `tokenizer` extra; "
                         "else transformers); default: the engines' /tokenize, a round trip per request")
+    p.add_argument("--with-controller", action="store_true",
+                   help="run the controller of --config in this process too: routes are answered without the "
+                        "ZMQ round trip (one process, one event loop; its route socket still serves others)")
     p.add_argument("--route-timeout-s", type=float, default=1.0, help="wait this long for a route decision")
     p.add_argument("--controller-retry-s", type=float, default=2.0,
                    help="after the controller failed to answer, route round-robin this long before asking again")
@@ -829,10 +835,31 @@ def run_gateway(args: argparse.Namespace) -> int:
                   "`smetric down`; or choose another --port)", args.host, args.port, exc.strerror or exc)
         return 1
     log.info("gateway listening on http://%s:%d", args.host, sock.getsockname()[1])
+    app = gw.app()
+    if args.with_controller:
+        _embed_controller(app, gw, cfg, args.config)
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(gw.app(), sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0,
+        web.run_app(app, sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0,
                     loop=eventloop.new_event_loop())
     return 0
+
+
+def _embed_controller(app: web.Application, gw: Gateway, cfg: Config, config_path: str) -> None:
+    """Run the controller of ``cfg`` in this process and loop, answering this gateway's routes
+    directly. Its route socket is still served, for other gateways and clients."""
+    from smetric_lmc.controller.app import ControllerApp  # the router's own wing, loaded when embedded
+
+    controller = ControllerApp(cfg, config_path=config_path)
+
+    async def start(_app: web.Application) -> None:
+        await controller.start()
+        gw.in_process = lambda payload: controller.core.handle(payload)  # the core a reload installs
+
+    async def stop(_app: web.Application) -> None:
+        await controller.close()
+
+    app.on_startup.insert(0, start)  # before the gateway's own start-up, which asks it for its hashing
+    app.on_cleanup.append(stop)
 
 
 __all__ = ["Gateway", "Target", "add_subcommands", "run_gateway"]

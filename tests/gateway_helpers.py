@@ -154,7 +154,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
 
     async def _make(n_engines: int = 2, *, controller: bool = True, dead_instance: bool = False,
                     extra: dict[str, Any] | None = None, gateway_hashing: dict[str, Any] | None = None,
-                    dead_replica: bool = False, gateway_kw: dict[str, Any] | None = None) -> Stack:
+                    dead_replica: bool = False, gateway_kw: dict[str, Any] | None = None,
+                    in_process: bool = False) -> Stack:
         engines = [FakeEngine(f"e{i}") for i in range(n_engines)]
         for e in engines:
             await e.start()
@@ -190,6 +191,9 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         # dead_replica: the gateway lists a controller replica nobody answers at, before the real one.
         urls = f"tcp://127.0.0.1:{free_ports(1)[0]},{cfg.server.route_url}" if dead_replica else None
         gw = Gateway(gw_cfg, urls, **{"route_timeout_s": 0.3, "controller_retry_s": 30.0, **(gateway_kw or {})})
+        if in_process:
+            assert app is not None
+            gw.in_process = app.core.handle
         runner = web.AppRunner(gw.app(), access_log=None)
         await runner.setup()
         port = free_ports(1)[0]

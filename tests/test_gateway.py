@@ -457,3 +457,15 @@ async def test_the_check_waits_for_an_engine_and_keeps_the_tokenizer_when_none_a
     for e in s.engines:
         e.tokenize_broken = False
     assert await reader.check_local("tiny", attempts=2, first_wait_s=0.01) is True
+
+
+async def test_a_gateway_in_the_controllers_process_routes_without_the_socket(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack(in_process=True)
+    assert s.controller is not None
+    for _ in range(3):
+        resp = await s.chat(MSGS)
+        assert resp.status == 200 and resp.headers["X-SMetric-Reason"] != "controller_unavailable"
+    await s.wait_dones(3)
+    assert s.controller.core.counters["route"] >= 3  # answered by the controller's core ...
+    assert s.controller.service.counters["frames"] == 0  # ... and none crossed its route socket
+    assert s.gateway.counters["fallback_routes"] == 0

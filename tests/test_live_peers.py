@@ -38,7 +38,7 @@ def test_every_router_routes_the_mock_cluster(tmp_path: Path) -> None:
     assert last["instances"] == 8 and last["workloads"] == ["trace1"]
     rows = [json.loads(x) for x in rows_path.read_text().splitlines()]
     names = {r["router"] for r in rows}
-    assert names == {"ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware",
+    assert names == {"ours:smetric", "ours:smetric_ect", "ours:load_balance", "ours:smetric[process=one]", "vllm:kv_aware",
                      "vllm:sticky_least_loaded", "vllm:cache_aware", "vllm:power_of_two", "vllm:round_robin",
                      "sglang:cache_aware", "sglang:power_of_two"}
     for r in rows:

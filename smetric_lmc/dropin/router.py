@@ -134,6 +134,8 @@ class DropinRouter:
             log.info("router: --%s=%r accepted; it has no effect in SMetric", name.replace("_", "-"), value)
         await self.controller.start()
         self.gateway.controller_url = self.controller.service.endpoint or self.cfg.server.route_url
+        # one process: the gateway's routes are answered by the controller's core, not over its socket
+        self.gateway.in_process = lambda payload: self.controller.core.handle(payload)
         app = self.gateway.app()
         for path, handler in (("/health", self._health), ("/version", self._version), ("/engines", self._engines)):
             app.router.add_get(path, handler)
