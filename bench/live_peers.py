@@ -113,6 +113,7 @@ class Mode:
     time_scale: float = 0.05  # think times and arrival gaps scaled by this
     max_think_s: float = 60.0  # recorded think times clipped here (before time_scale)
     routers: tuple[str, ...] | None = None  # the router configurations run (None: all)
+    latency_routers: tuple[str, ...] = ()  # more configurations, for the added-latency phase only
     # Sessions per run grow with the load (rate x this window, at least ``sessions``): with a fixed
     # count every load above count/session-length offers the same work, and no sweep passes the knee.
     arrival_window_s: float | None = None
@@ -131,15 +132,14 @@ class Mode:
 # round_robin, SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a
 # shared 2-core machine. Calibrated on ours:load_balance alone (2 / 6 / 18 sessions/s: TPS within
 # SLO 5.2k / 10.4k / 7.1k tok/s).
-QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "ours:smetric[process=one]",
-                 "vllm:kv_aware", "vllm:sticky_least_loaded",
+QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
     "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
                  speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
     "quick": Mode(4, ("trace1",), (2.0, 6.0, 18.0), 4, 0.05, False, 200, fresh_per_load=False,
                   weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
-                  arrival_window_s=2.5),
+                  latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
@@ -582,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         mode.max_think_s = args.max_think
     if args.arrival_window:
         mode.arrival_window_s = args.arrival_window
+    # The workload pool is sized by the mode's own loads, so --loads picks its sessions from the same
+    # draw (a larger pool is another draw of the preset: different sessions at every load).
+    pool = max(mode.sessions_at(r) for r in mode.loads)
     if args.loads:
         try:
             mode.loads = tuple(float(x) for x in args.loads.split(","))
@@ -601,14 +604,19 @@ def main(argv: list[str] | None = None) -> int:
         if not confs:
             print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
             return 2
-    wls = load_workloads(mode.workloads, max(mode.sessions_at(r) for r in mode.loads))
+    wls = load_workloads(mode.workloads, max(pool, *(mode.sessions_at(r) for r in mode.loads)))
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
         else [(c, w, mode.loads) for w in mode.workloads for c in confs]
     if args.latency_only:
         groups = []
     n_runs = sum(len(r) for _, _, r in groups)
-    total = n_runs + (len([c for c in confs if not c.tuned]) if mode.latency_requests else 0)
+    lat_confs = [c for c in confs if not c.tuned]
+    if not args.routers and not args.tuned_only:
+        lat_confs += [c for c in default_confs() if c.name in mode.latency_routers and c not in lat_confs]
+    if not mode.latency_requests:
+        lat_confs = []
+    total = n_runs + len(lat_confs)
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
           f"{', '.join(mode.workloads)}, loads {mode.loads} root sessions/s: {total} runs", flush=True)
     rows: list[dict[str, Any]] = []
@@ -637,9 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"per instance {row.get('per_instance_requests')}; router says {row['counters']}  "
                       f"[{time.monotonic() - t0:.0f} s]", flush=True)
         lat: dict[str, dict[str, float]] = {}
-        for conf in confs:
-            if conf.tuned or not mode.latency_requests:
-                continue
+        for conf in lat_confs:
             k += 1
             try:
                 lat[conf.name] = added_latency(conf, mode, root)
