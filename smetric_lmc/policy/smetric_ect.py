@@ -54,7 +54,10 @@ own requests clearly better (smetric_lmc.prices); the 0.8 GB/s cells went to 0.9
 admission for 97-100% of the predicted fetch tokens (less only past the SLO cliff, for every policy
 alike); the variant's moves do stall batches 2-3x as long as LMetric's, but pricing what a move evicts
 on its target (``displace``) or the queue against the SLO left after the request's own prefill and
-fetch did not help on the dev seeds, so the cost below is unchanged.
+fetch did not help on the dev seeds, so the cost below is unchanged. On held-out seeds 3 and 4 the
+adoption did not help at the knee (paired ÷ LMetric 1.022 before, 0.998 after); with the fetch priced
+right the variant still moves ~2x LMetric's share of follow-ups, on (1 + load) differences of one
+request between holder and target.
 
 The cost of the request on instance i, in µs, priced with what instance i's requests were measured
 to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices`` and shrunk to
