@@ -29,6 +29,13 @@ noise widths, so lone outliers barely move it) has stayed below ``switch_ratio``
 the slow one adopts its state. Synthetic data (tests/test_prices.py) and the simulator
 (bench/prices.py) follow a 4x step within ~100-150 of that instance's requests.
 
+Each instance's fit is shadowed the same way by the cluster's (pooled) fit, which learns from every
+instance's reports: when the cluster's fit has predicted this instance's own requests clearly better
+for a while (same ``switch_ratio`` and ``switch_after``), the instance's fit adopts its state. From a
+prior far off (a fetch path 30x slower than the prior's) an instance, seeing an eighth of the reports,
+otherwise lagged the cluster's fit for the whole of a simulated run, with a standard error that did
+not show the lag (issue 23's traces, docs/prices.md).
+
 Confidence of a price: its relative standard error ``sqrt(P_ii) / |price|`` (``rel_std``);
 a price the data has not yet constrained keeps ``prior_rel_std``.
 """
@@ -199,26 +206,45 @@ class RobustRLS:
 class TwoRateRLS:
     """A slow robust fit (reported) shadowed by a fast one: when the fast one has predicted clearly
     better for a while (a price stepped: the fetch path slowed), the slow one adopts its state.
-    Outliers do not trigger it: both fits see them, Huber-weighted and clipped alike."""
+    Outliers do not trigger it: both fits see them, Huber-weighted and clipped alike.
 
-    __slots__ = ("slow", "fast", "switches", "_since", "_cfg")
+    An instance's fit is also shadowed by the cluster's (pooled) fit, passed as ``ref``: when the
+    cluster's has predicted this instance's own requests clearly better for a while, the instance's
+    adopts its state (same rule, same thresholds). An instance sees a fraction of the cluster's
+    reports, so from a prior far off (a slow fetch path: 30x the prior) its fit lags the cluster's
+    for hundreds of requests, and its standard error does not show that lag."""
+
+    __slots__ = ("slow", "fast", "switches", "ref_err", "ref_adoptions", "_since", "_ref_since", "_cfg")
 
     def __init__(self, prior: Sequence[float], cfg: EstimatorConfig) -> None:
         self._cfg = cfg
         self.slow = RobustRLS(prior, cfg, cfg.forget, cfg.huber_k)
         self.fast = RobustRLS(prior, cfg, cfg.fast_forget, 1e9)
         self.switches = 0
+        self.ref_err = cfg.noise0  # running mean |prediction error| of ``ref`` on these observations
+        self.ref_adoptions = 0
         self._since = 0
+        self._ref_since = 0
 
-    def update(self, x: np.ndarray, y: float) -> None:
+    def update(self, x: np.ndarray, y: float, ref: RobustRLS | None = None) -> None:
+        """Fold in y ~ theta . x; ``ref`` (not yet updated with it) is the fit this one may adopt."""
+        cfg = self._cfg
+        if ref is not None:
+            # the reference's relative prediction error, clipped as this fit clips its own
+            r = 1.0 - float(ref.theta @ x) / y if y > 0 else 1.0
+            self.ref_err += cfg.switch_rate * (min(abs(r), 3.0 * self.slow.noise) - self.ref_err)
+            self._ref_since += 1
         self.slow.update(x, y)
         self.fast.update(x, y)
         self._since += 1
-        cfg = self._cfg
         if self._since >= cfg.switch_after and self.fast.err < cfg.switch_ratio * self.slow.err:
             self.slow.adopt(self.fast)
             self.switches += 1
             self._since = 0
+        if ref is not None and self._ref_since >= cfg.switch_after and self.ref_err < cfg.switch_ratio * self.slow.err:
+            self.slow.adopt(ref)
+            self.ref_adoptions += 1
+            self._ref_since = 0
 
     def rel_std(self) -> np.ndarray:
         return self.slow.rel_std()
@@ -265,21 +291,23 @@ class InstanceEstimator:
         self.mean_output = 0.0
         self._cache: InstancePrices | None = None
 
-    def observe(self, o: Observation) -> None:
+    def observe(self, o: Observation, ref: InstanceEstimator | None = None) -> None:
+        """Learn from one done report; ``ref`` (the cluster's estimator, before it learns from the same
+        report) is the fit this one adopts when it predicts this instance's requests clearly better."""
         if not (o.ttft_s > 0 and math.isfinite(o.ttft_s)) or o.prompt_tokens <= 0:
             return
-        self.ttft.update(ttft_features(o), o.ttft_s * 1e6)
+        self.ttft.update(ttft_features(o), o.ttft_s * 1e6, ref.ttft.slow if ref is not None else None)
         if o.output_tokens > 0:
             m = self.mean_output
             self.mean_output = float(o.output_tokens) if m == 0 else m + 0.02 * (o.output_tokens - m)
         if o.e2e_s is not None and o.output_tokens > 1 and math.isfinite(o.e2e_s) and o.e2e_s > o.ttft_s:
-            self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight)
+            self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight, ref)
         self._cache = None
 
-    def observe_tpot(self, tpot_s: float, running: float) -> None:
+    def observe_tpot(self, tpot_s: float, running: float, ref: InstanceEstimator | None = None) -> None:
         """A time per output token at a batch of ``running`` requests (a done report or /metrics)."""
         if tpot_s > 0 and math.isfinite(tpot_s) and running >= 0:
-            self.tpot.update(np.array([1.0, running]), tpot_s * 1e6)
+            self.tpot.update(np.array([1.0, running]), tpot_s * 1e6, ref.tpot.slow if ref is not None else None)
             self._cache = None
 
     def prices(self) -> InstancePrices:
@@ -311,14 +339,14 @@ class PriceBook:
         est = self._by.get(instance_id)
         if est is None:
             est = self._by[instance_id] = InstanceEstimator(self.cfg)
-        est.observe(o)
+        est.observe(o, self.pooled)  # before the pooled fit learns from it: a prediction, not a fit
         self.pooled.observe(o)
 
     def observe_tpot(self, instance_id: str, tpot_s: float, running: float) -> None:
         est = self._by.get(instance_id)
         if est is None:
             est = self._by[instance_id] = InstanceEstimator(self.cfg)
-        est.observe_tpot(tpot_s, running)
+        est.observe_tpot(tpot_s, running, self.pooled)
         self.pooled.observe_tpot(tpot_s, running)
 
     def prices(self, instance_id: str) -> InstancePrices:
@@ -366,6 +394,7 @@ class PriceBook:
                 "observations": p.observations,
                 "mean_output": round(p.mean_output, 1),
                 "switches": e.ttft.switches,
+                "adopted_cluster": e.ttft.ref_adoptions,
                 "noise": round(float(e.ttft.slow.noise), 4),
             }
 

@@ -42,6 +42,23 @@ a cost that prices only the wait past the TTFT SLO left after the request's own 
 each instance (instead of half the SLO) was no better within the noise (0.90-1.18x, mean 1.04), so the
 cost below is unchanged.
 
+What the decision traces showed at the slowest fetch path (issue 23, 0.8 GB/s per request, where the
+variant lost to LMetric and Dynamo by 13-20% on seed 0; bench/trace_fetch.py on dev seeds 1 and 2): the
+cost was not at fault, its fetch price was. The cluster's pooled fit learnt the true 123 µs/token
+(30x the prior's 4) within ~600 s, but each instance's own fit, seeing an eighth of the reports, was
+still at 20-26 at the end of the run, and ``decision_prices`` kept those, as "significantly" different
+from the pooled fit: the decisions priced a fetch at 13-23 µs/token throughout, much as the fixed-price
+variant did at the prior. An instance's fit now adopts the cluster's when the cluster's predicts its
+own requests clearly better (smetric_lmc.prices); the 0.8 GB/s cells went to 0.94 on seed 0 (from
+0.87 / 0.80). The other readings traced did not hold at the knee: the predicted global hit survived to
+admission for 97-100% of the predicted fetch tokens (less only past the SLO cliff, for every policy
+alike); the variant's moves do stall batches 2-3x as long as LMetric's, but pricing what a move evicts
+on its target (``displace``) or the queue against the SLO left after the request's own prefill and
+fetch did not help on the dev seeds, so the cost below is unchanged. On held-out seeds 3 and 4 the
+adoption did not help at the knee (paired ÷ LMetric 1.022 before, 0.998 after); with the fetch priced
+right the variant still moves ~2x LMetric's share of follow-ups, on (1 + load) differences of one
+request between holder and target.
+
 The cost of the request on instance i, in µs, priced with what instance i's requests were measured
 to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices`` and shrunk to
 the cluster's price as above; the params' prices are the cold-start prior and stand in where a view
