@@ -58,3 +58,35 @@ def test_sim_paper_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_rows_cover_every_published_quantity_even_without_results() -> None:
     rows = build_rows({})
     assert len(rows) >= 25 and not any(r.within for r in rows if r.kind != "name")
+
+
+def test_lmetric_is_judged_as_the_paper_defines_it_with_its_tuned_port_beside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMetric's paper formula (offset 0) is what the LMetric rows measure; where the port's offset tunes
+    to another value, that one is judged too, under its own label, and SMetric is divided by it."""
+    from types import SimpleNamespace
+
+    from smetric_lmc.lab.sim import paper
+    from smetric_lmc.lab.sim.config import load_sim_config
+    from smetric_lmc.lab.sim.knee import KneeResult
+    from smetric_lmc.lab.sim.profile import load_profile
+
+    grid = {"bailian": ("bailian_lambda", (0.9,)), "lmetric": ("lmetric_load_offset", (0.0, 1.0)),
+            "smetric_overload": ("overload", (2.0,)), "smetric_ect": ("params.inflight_us", (1e3,))}
+    size = PaperSize(4, 60.0, 10, (1.0,), 1, 0, grid, (), settings=("none",), label="fake")
+    judged: list[dict[str, float]] = []
+
+    def fake_sweeps(wls, settings, pols, pilot, factors, jobs, pilots, desc="", extend=1, labels=None):  # noqa: ANN001,ANN202
+        score = {"lmetric lmetric_load_offset=0": 1.0, "lmetric lmetric_load_offset=1": 3.0,  # the tuning run
+                 "lmetric": 1.0, paper.LMETRIC_TUNED: 3.0, "smetric": 2.0}  # the judged run
+        if "tuning" not in desc:
+            judged.append({lab: pol.lmetric_load_offset for lab, pol in zip(labels, pols)})
+        return {k: KneeResult(1.0, peaks={lab: SimpleNamespace(score=score.get(lab, 0.5), summary={})
+                                          for lab in labels}) for k in settings}
+
+    monkeypatch.setattr(paper, "knee_sweeps", fake_sweeps)
+    base = load_sim_config(None)
+    run = paper.run_paper(size, base, load_profile(base.profile))
+    assert judged[0]["lmetric"] == 0.0 and judged[0][paper.LMETRIC_TUNED] == 1.0
+    assert paper.ratio(run.eval["none"], "smetric") == pytest.approx(2.0 / 3.0)  # ÷ the tuned port, the best
+    assert paper.strongest(run.eval["none"]) == "lmetric"  # among the paper's own three
