@@ -108,6 +108,15 @@ class Mode:
     latency_requests: int  # 0: no added-latency phase
     fresh_per_load: bool = True  # False (CI): one cluster + router per configuration, loads in a row
     weka_sessions: int = 4  # WEKA sessions run ~60 turns each (Trace-1's ~6): fewer roots
+    # WEKA's offered load: its sessions start over this window (sessions per run = load x window),
+    # its loads (root sessions/s), prompts scaled by weka_context_scale (its contexts average ~123 k
+    # tokens, Trace-1's ~42 k: the same scale would leave most WEKA prompts past --max-model-len) and
+    # answers capped at weka_max_output tokens (a session's ~60 turns run one after the other: the
+    # cap keeps one run at tens of seconds instead of minutes). None: the Trace-1 settings.
+    weka_loads: tuple[float, ...] | None = None
+    weka_window_s: float | None = None
+    weka_context_scale: float | None = None
+    weka_max_output: int | None = None
     max_output: int | None = None  # cap on every answer (None: the scaled recorded length)
     speed: float = 0.25  # the mock engines' speed against the profile (lower: the knee at a lower load)
     time_scale: float = 0.05  # think times and arrival gaps scaled by this
@@ -118,10 +127,23 @@ class Mode:
     # count every load above count/session-length offers the same work, and no sweep passes the knee.
     arrival_window_s: float | None = None
 
-    def sessions_at(self, rate: float) -> int:
+    def sessions_at(self, rate: float, workload: str = "trace1") -> int:
+        if workload == "weka":
+            if self.weka_window_s is None:
+                return self.weka_sessions
+            return max(self.weka_sessions, round(rate * self.weka_window_s))
         if self.arrival_window_s is None:
             return self.sessions
         return max(self.sessions, round(rate * self.arrival_window_s))
+
+    def loads_of(self, workload: str) -> tuple[float, ...]:
+        return self.weka_loads if workload == "weka" and self.weka_loads else self.loads
+
+    def context_scale_of(self, workload: str) -> float:
+        return self.weka_context_scale if workload == "weka" and self.weka_context_scale else self.context_scale
+
+    def max_output_of(self, workload: str) -> int | None:
+        return self.weka_max_output if workload == "weka" and self.weka_max_output else self.max_output
 
 
 # --quick: 4 instances, engines at 0.18x the profile (slower and decode alone breaks the 30 ms TPOT
@@ -139,7 +161,8 @@ MODES = {
                  speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
     "quick": Mode(4, ("trace1",), (2.0, 6.0, 18.0), 4, 0.05, False, 200, fresh_per_load=False,
                   weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
-                  latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5),
+                  latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5,
+                  weka_loads=(2.0, 4.0, 8.0), weka_window_s=4.0, weka_context_scale=0.03),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
@@ -358,9 +381,10 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
     cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
-    sessions = mode.weka_sessions if wl_name == "weka" else mode.sessions_at(rate)
-    cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=mode.context_scale,
-                       output_scale=mode.context_scale, max_output=mode.max_output, time_scale=mode.time_scale,
+    sessions = mode.sessions_at(rate, wl_name)
+    scale = mode.context_scale_of(wl_name)
+    cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=scale,
+                       output_scale=scale, max_output=mode.max_output_of(wl_name), time_scale=mode.time_scale,
                        max_think_s=mode.max_think_s,
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
@@ -541,9 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="our gateway tokenizes with the mock's tokenizer directory (--tokenizer, as in front of "
                          "vLLM) or with an engine's /tokenize (a round trip per request)")
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
-    ap.add_argument("--workloads", help="comma-separated subset of the mode's workloads (trace1, weka)")
+    ap.add_argument("--workloads", help="comma-separated workloads to run (trace1, weka; default: the mode's)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
     ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
+    ap.add_argument("--weka-loads", help="the same for the WEKA sessions (overrides the mode's)")
     ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
     ap.add_argument("--speed", type=float, help="the mock engines' speed against the profile (overrides the mode's)")
     ap.add_argument("--time-scale", type=float, help="scale think times by this (overrides the mode's)")
@@ -561,9 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.instances:
         mode.instances = args.instances
     if args.workloads:
-        mode.workloads = tuple(w for w in mode.workloads if w in args.workloads.split(","))
+        mode.workloads = tuple(w for w in ("trace1", "weka") if w in args.workloads.split(","))
         if not mode.workloads:
-            print(f"live_peers: no workload of this mode matches {args.workloads!r}", file=sys.stderr)
+            print(f"live_peers: --workloads takes trace1 and/or weka, got {args.workloads!r}", file=sys.stderr)
             return 2
     if args.sessions:
         mode.sessions = mode.weka_sessions = args.sessions
@@ -591,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
             return 2
+    if args.weka_loads:
+        try:
+            mode.weka_loads = tuple(float(x) for x in args.weka_loads.split(","))
+        except ValueError:
+            print(f"live_peers: --weka-loads takes numbers, got {args.weka_loads!r}", file=sys.stderr)
+            return 2
     if args.tune or args.tuned_only:
         mode.tune = True
     confs = default_confs() + (tuning_confs() if mode.tune else [])
@@ -605,9 +636,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
             return 2
     wls = load_workloads(mode.workloads, max(pool, *(mode.sessions_at(r) for r in mode.loads)))
+    loads = {w: mode.loads_of(w) for w in mode.workloads}
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
-    groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in mode.loads] if mode.fresh_per_load \
-        else [(c, w, mode.loads) for w in mode.workloads for c in confs]
+    groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in loads[w]] if mode.fresh_per_load \
+        else [(c, w, loads[w]) for w in mode.workloads for c in confs]
     if args.latency_only:
         groups = []
     n_runs = sum(len(r) for _, _, r in groups)
@@ -618,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         lat_confs = []
     total = n_runs + len(lat_confs)
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
-          f"{', '.join(mode.workloads)}, loads {mode.loads} root sessions/s: {total} runs", flush=True)
+          f"{', '.join(mode.workloads)}, loads (root sessions/s) {loads}: {total} runs", flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
@@ -664,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("command lines:")
     for r in rows:
-        if r["argv"] and r["rate"] == mode.loads[0] and r["workload"] == mode.workloads[0]:
+        if r["argv"] and r["rate"] == loads[r["workload"]][0] and r["workload"] == mode.workloads[0]:
             print(f"  {r['router']}: " + " ; ".join(r["argv"]))
     ratio: dict[str, float] = {}
     sm_ratio: dict[str, float] = {}

@@ -120,3 +120,21 @@ def test_added_latency_is_taken_per_pair() -> None:
     assert out["p50_ms"] == 0.5
     assert out["p99_ms"] == 8.0  # the one pair where the router itself was slow
     assert out["direct_p50_ms"] == 1.0 and out["via_p50_ms"] == 1.5
+
+
+def test_weka_runs_its_own_loads_context_scale_and_session_count() -> None:
+    """WEKA's sessions (~60 turns, ~123 k-token contexts) get their own loads, window and scale; a
+    mode that sets none runs WEKA at Trace-1's settings with its fixed session count."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    quick = live_peers.MODES["quick"]
+    assert quick.weka_loads and quick.loads_of("weka") == quick.weka_loads != quick.loads_of("trace1")
+    assert quick.sessions_at(4.0, "weka") == max(quick.weka_sessions, round(4.0 * quick.weka_window_s))
+    assert quick.sessions_at(4.0, "trace1") == max(quick.sessions, round(4.0 * quick.arrival_window_s))
+    assert quick.context_scale_of("weka") < quick.context_scale_of("trace1")
+    bare = live_peers.Mode(4, ("trace1", "weka"), (1.0, 2.0), 3, 0.05, False, 0, weka_sessions=2)
+    assert bare.loads_of("weka") == (1.0, 2.0) and bare.sessions_at(9.0, "weka") == 2
+    assert bare.context_scale_of("weka") == 0.05 and bare.max_output_of("weka") is None
