@@ -1,7 +1,8 @@
 """Live, side by side: our router and the routers users run today, in front of the same mock cluster.
 
     python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned (not run yet)
-    python bench/live_peers.py --quick    # 4 instances, Trace-1, 3 loads through the knee, 8 configurations
+    python bench/live_peers.py --quick    # 4 instances, Trace-1, 2 loads around the knee, 8 configurations
+    python bench/live_peers.py --quick --workloads weka   # the same routers on the WEKA sessions (~45 min)
     python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
     python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
 
@@ -126,6 +127,9 @@ class Mode:
     # Sessions per run grow with the load (rate x this window, at least ``sessions``): with a fixed
     # count every load above count/session-length offers the same work, and no sweep passes the knee.
     arrival_window_s: float | None = None
+    # The Trace-1 preset is drawn once, sized for this load (None: the top load), so that every load
+    # replays sessions of the same draw; quick keeps 18, its former top load, to keep its earlier draw.
+    pool_rate: float | None = None
 
     def sessions_at(self, rate: float, workload: str = "trace1") -> int:
         if workload == "weka":
@@ -147,22 +151,22 @@ class Mode:
 
 
 # --quick: 4 instances, engines at 0.18x the profile (slower and decode alone breaks the 30 ms TPOT
-# SLO), sessions per run = load x 2.5 s so that the top load offers more than the cluster serves,
-# think times short and clipped so that a run lasts 10-30 s, 3 loads (below, at and past the knee),
-# Trace-1 only (a WEKA session runs ~60 turns one after the other: minutes whatever the router; the
-# full mode runs it), and the two load-only peer policies with a twin in the set (vLLM's
-# round_robin, SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a
-# shared 2-core machine. Calibrated on ours:load_balance alone (2 / 6 / 18 sessions/s: TPS within
-# SLO 5.2k / 10.4k / 7.1k tok/s).
+# SLO), sessions per run = load x 2.5 s, think times short and clipped so that a run lasts 15-30 s,
+# 2 loads: 6 and 12 sessions/s, where every configuration peaked in the 4-load runs of 2026-12-06
+# (2 / 6 / 12 / 18 sessions/s, docs/peers.md: no configuration's best was at 2, where all serve the
+# same ~5k tok/s, or at 18, where all have collapsed, and those two points took 60% of the run's
+# time). Trace-1 only (WEKA's ~60-turn sessions make each WEKA run minutes long: --workloads weka
+# runs them) and the two load-only peer policies with a twin in the set (vLLM's round_robin,
+# SGLang's power_of_two) left to the full mode and CI: all to fit 8 minutes on a shared 2-core machine.
 QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
     "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
                  speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
-    "quick": Mode(4, ("trace1",), (2.0, 6.0, 18.0), 4, 0.05, False, 200, fresh_per_load=False,
+    "quick": Mode(4, ("trace1",), (6.0, 12.0), 4, 0.05, False, 200, fresh_per_load=False,
                   weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
                   latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5,
-                  weka_loads=(2.0, 4.0, 8.0), weka_window_s=4.0, weka_context_scale=0.03),
+                  weka_loads=(2.0, 4.0, 8.0), weka_window_s=4.0, weka_context_scale=0.03, pool_rate=18.0),
     "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
 }
 
@@ -552,10 +556,20 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _loads(text: str) -> tuple[float, ...]:
+    try:
+        loads = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, got {text!r}") from None
+    if not loads or min(loads) <= 0:
+        raise argparse.ArgumentTypeError(f"loads must be > 0, got {text!r}")
+    return loads
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="4 instances, Trace-1, 3 loads, defaults only (<= 8 min)")
+    g.add_argument("--quick", action="store_true", help="4 instances, Trace-1, 2 loads, defaults only (<= 8 min)")
     g.add_argument("--ci", action="store_true", help="the CI smoke: Trace-1 only, short runs")
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
@@ -567,8 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
     ap.add_argument("--workloads", help="comma-separated workloads to run (trace1, weka; default: the mode's)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
-    ap.add_argument("--loads", help="comma-separated offered loads, root sessions/s (overrides the mode's)")
-    ap.add_argument("--weka-loads", help="the same for the WEKA sessions (overrides the mode's)")
+    ap.add_argument("--loads", type=_loads, help="comma-separated offered loads, root sessions/s (overrides the mode's)")
+    ap.add_argument("--weka-loads", type=_loads, help="the same for the WEKA sessions (overrides the mode's)")
     ap.add_argument("--routers", help="comma-separated subset of router names (e.g. ours:smetric,vllm:kv_aware)")
     ap.add_argument("--speed", type=float, help="the mock engines' speed against the profile (overrides the mode's)")
     ap.add_argument("--time-scale", type=float, help="scale think times by this (overrides the mode's)")
@@ -609,19 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         mode.arrival_window_s = args.arrival_window
     # The workload pool is sized by the mode's own loads, so --loads picks its sessions from the same
     # draw (a larger pool is another draw of the preset: different sessions at every load).
-    pool = max(mode.sessions_at(r) for r in mode.loads)
+    pool = max(mode.sessions_at(r) for r in (*mode.loads, *([mode.pool_rate] if mode.pool_rate else ())))
     if args.loads:
-        try:
-            mode.loads = tuple(float(x) for x in args.loads.split(","))
-        except ValueError:
-            print(f"live_peers: --loads takes numbers, got {args.loads!r}", file=sys.stderr)
-            return 2
+        mode.loads = args.loads
     if args.weka_loads:
-        try:
-            mode.weka_loads = tuple(float(x) for x in args.weka_loads.split(","))
-        except ValueError:
-            print(f"live_peers: --weka-loads takes numbers, got {args.weka_loads!r}", file=sys.stderr)
-            return 2
+        mode.weka_loads = args.weka_loads
     if args.tune or args.tuned_only:
         mode.tune = True
     confs = default_confs() + (tuning_confs() if mode.tune else [])

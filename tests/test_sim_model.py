@@ -13,7 +13,7 @@ import pytest
 from smetric_lmc.config import PolicyConfig
 from smetric_lmc.lab.sim.cluster import Simulator, place_sessions, shared_depths
 from smetric_lmc.lab.sim.config import global_capacity_blocks, load_sim_config
-from smetric_lmc.lab.sim.metrics import imbalance
+from smetric_lmc.lab.sim.metrics import imbalance, opening_imbalance
 from smetric_lmc.lab.sim.profile import load_profile
 from smetric_lmc.lab.sim.sweep import Outcome, Point, SweepResult, peak_rows
 from smetric_lmc.lab.sim.transfer import Network, Resource
@@ -294,6 +294,16 @@ def test_token_window_imbalance() -> None:
                     PolicyConfig(name="smetric")).run()  # fmt: skip
     assert res.summary["imbalance_mean"] == pytest.approx(4.0)
     assert res.win_tokens.sum() == 5000 + 10
+
+
+def test_opening_imbalance_reads_the_first_ten_minutes_ramp_included() -> None:
+    # 60 s windows: a ramp-up minute (one busy instance of two), steady minutes, an empty one, and
+    # minutes past the first ten that do not count
+    win = np.array([[4, 0], [30, 10], [20, 20], [0, 0]] + [[10, 10]] * 6 + [[100, 0]] * 3)
+    got = opening_imbalance(win, 60.0)
+    assert got == pytest.approx((2.0 + 1.5 + 1.0 + 6 * 1.0) / 9)  # the ramp-up minute counts, the empty one not
+    assert opening_imbalance(win, 30.0, span_s=60.0) == pytest.approx((2.0 + 1.5) / 2)
+    assert imbalance(win)["mean"] != pytest.approx(got)  # the steady-window figure leaves the ramp out
 
 
 def test_inflight_token_load_integrates_over_windows() -> None:

@@ -75,6 +75,16 @@ def imbalance(win_tokens: np.ndarray) -> dict[str, float]:
     return {"mean": float(ratio.mean()), "p50": _pct(ratio, 50), "p95": _pct(ratio, 95), "windows": int(len(ratio))}
 
 
+def opening_imbalance(win_tokens: np.ndarray, window_s: float, span_s: float = 600.0) -> float:
+    """Mean per-window max/mean load across instances over the replay's first ``span_s`` seconds,
+    the ramp-up included: the SMetric paper's figure, read as written ("the tokens each instance
+    processes per minute during the first 10 minutes of the replay", "the mean, over time, of the
+    ratio", §4.1 Fig. 11c; Fig. 15b and 21b use the same §4.1 ratio). Windows with no load are skipped."""
+    w = win_tokens[: max(1, round(span_s / window_s))].astype(np.float64)
+    w = w[w.sum(axis=1) > 0]
+    return float((w.max(axis=1) / w.mean(axis=1)).mean()) if len(w) else float("nan")
+
+
 def slo_flags(cols: dict[str, np.ndarray], sim_cfg: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(served, ttft_ok, tpot_ok, [ttft, tpot]) masks and values for every record."""
     served = ~cols["rejected"].astype(bool)
@@ -212,5 +222,6 @@ def summarize(st: RunStats) -> SimResult:
     # The paper's load imbalance (§4.1, Fig. 15b, Fig. 21b): in-flight tokens, queued ones included.
     if st.win_inflight_tokens is not None:
         imb = imbalance(st.win_inflight_tokens)
-        s.update(load_imbalance_mean=imb["mean"], load_imbalance_p95=imb["p95"])
+        s.update(load_imbalance_mean=imb["mean"], load_imbalance_p95=imb["p95"],
+                 load_imbalance_opening=opening_imbalance(st.win_inflight_tokens, st.cfg.window_s))
     return SimResult(st.policy, s, ttft_s, tpot_s, win, cols)
