@@ -5,7 +5,6 @@ in docs/peers.md); nothing in the services depends on which loop runs them."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import sys
 from collections.abc import Coroutine
@@ -24,16 +23,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         log.info("uvloop not installed: running on asyncio's default event loop")
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then move every object start-up left (modules, tokenizer, config, index) out of
-    the cyclic collector's generations (``gc.freeze``): the collections that run between requests
-    then scan only what requests allocate, instead of the whole heap at every oldest-generation pass.
-    Call it when start-up is done; objects allocated later are collected as usual."""
-    gc.collect()
-    gc.freeze()
-    log.debug("start-up heap frozen: %d objects out of the collector's scans", gc.get_freeze_count())
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

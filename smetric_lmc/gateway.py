@@ -838,11 +838,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     app = gw.app()
     if args.with_controller:
         _embed_controller(app, gw, cfg, args.config)
-
-    async def _settle(_app: web.Application) -> None:
-        eventloop.freeze_startup_heap()
-
-    app.on_startup.append(_settle)  # last: after the controller, the tokenizer and the HTTP client
     with contextlib.suppress(KeyboardInterrupt):
         web.run_app(app, sock=sock, access_log=None, print=None, handle_signals=True, shutdown_timeout=5.0,
                     loop=eventloop.new_event_loop())

@@ -28,17 +28,3 @@ def test_falls_back_to_asyncio_without_uvloop(monkeypatch: pytest.MonkeyPatch) -
     finally:
         loop.close()
 
-
-def test_freeze_startup_heap_takes_what_exists_out_of_the_collector() -> None:
-    import gc
-
-    from smetric_lmc.eventloop import freeze_startup_heap
-
-    before = gc.get_freeze_count()
-    keep = [[i] for i in range(1000)]  # tracked containers start-up would leave behind
-    try:
-        freeze_startup_heap()
-        assert gc.get_freeze_count() >= before + len(keep)
-        assert gc.get_count()[0] < 100  # the young generation starts empty
-    finally:
-        gc.unfreeze()
