@@ -161,8 +161,10 @@ class Mode:
 QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
+    # full: the quick calibration scaled to 16 instances (4x the sessions), untested
     "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
-                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5),
+                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5,
+                 weka_loads=(8.0, 16.0, 32.0), weka_window_s=4.0, weka_context_scale=0.03),
     "quick": Mode(4, ("trace1",), (6.0, 12.0), 4, 0.05, False, 200, fresh_per_load=False,
                   weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
                   latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5,
