@@ -512,11 +512,16 @@ def load_workloads(names: Sequence[str], sessions: int) -> dict[str, Workload]:
 
 # ---- report ------------------------------------------------------------------------------------
 def best_per_router(rows: list[dict[str, Any]], wl: str) -> dict[str, float]:
-    """Each configuration's best TPS within SLO over the load sweep (its knee)."""
-    best: dict[str, float] = {}
+    """Each configuration's best TPS within SLO over the load sweep (its knee); where a load was run
+    more than once (--repeats, or several --from-rows files), the mean of its runs is that load's
+    figure, so one lucky run does not make the peak."""
+    runs: dict[tuple[str, float], list[float]] = {}
     for r in rows:
         if r["workload"] == wl:
-            best[r["router"]] = max(best.get(r["router"], 0.0), r["tps_slo"])
+            runs.setdefault((r["router"], r["rate"]), []).append(r["tps_slo"])
+    best: dict[str, float] = {}
+    for (router, _), tps in runs.items():
+        best[router] = max(best.get(router, 0.0), statistics.mean(tps))
     return best
 
 
@@ -595,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="sessions per run = load x this many seconds (at least --sessions)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
+    ap.add_argument("--repeats", type=int, default=1, help="run every configuration's sweep this many times "
+                                                           "(each load's figure: the mean of its runs)")
+    ap.add_argument("--from-rows", type=Path, nargs="+", metavar="ROWS",
+                    help="run nothing: report the rows of earlier --rows files (runs of one load averaged)")
     args = ap.parse_args(argv)
     # A stopped bench stops what it started: SIGTERM unwinds through the finally blocks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -643,12 +652,22 @@ def main(argv: list[str] | None = None) -> int:
         if not confs:
             print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
             return 2
-    wls = load_workloads(mode.workloads, max(pool, *(mode.sessions_at(r) for r in mode.loads)))
+    wls = {} if args.from_rows else load_workloads(mode.workloads, max(pool, *(mode.sessions_at(r) for r in mode.loads)))
     loads = {w: mode.loads_of(w) for w in mode.workloads}
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in loads[w]] if mode.fresh_per_load \
         else [(c, w, loads[w]) for w in mode.workloads for c in confs]
-    if args.latency_only:
+    groups *= max(1, args.repeats)  # a repeat runs every configuration once before the next repeat
+    rows: list[dict[str, Any]] = []
+    if args.from_rows:
+        try:
+            rows = [json.loads(line) for f in args.from_rows for line in f.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            print(f"live_peers: --from-rows: {exc}", file=sys.stderr)
+            return 2
+        mode.workloads = tuple(w for w in ("trace1", "weka") if any(r.get("workload") == w for r in rows))
+        mode.latency_requests = 0
+    if args.latency_only or args.from_rows:
         groups = []
     n_runs = sum(len(r) for _, _, r in groups)
     lat_confs = [c for c in confs if not c.tuned]
@@ -659,7 +678,6 @@ def main(argv: list[str] | None = None) -> int:
     total = n_runs + len(lat_confs)
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
           f"{', '.join(mode.workloads)}, loads (root sessions/s) {loads}: {total} runs", flush=True)
-    rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
         k = 0
@@ -703,8 +721,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print("command lines:")
+    printed: set[str] = set()
     for r in rows:
-        if r["argv"] and r["rate"] == loads[r["workload"]][0] and r["workload"] == mode.workloads[0]:
+        if r["argv"] and r["rate"] == rows[0]["rate"] and r["workload"] == rows[0]["workload"] \
+                and r["router"] not in printed:
+            printed.add(r["router"])
             print(f"  {r['router']}: " + " ; ".join(r["argv"]))
     ratio: dict[str, float] = {}
     sm_ratio: dict[str, float] = {}

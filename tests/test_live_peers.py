@@ -138,3 +138,31 @@ def test_weka_runs_its_own_loads_context_scale_and_session_count() -> None:
     bare = live_peers.Mode(4, ("trace1", "weka"), (1.0, 2.0), 3, 0.05, False, 0, weka_sessions=2)
     assert bare.loads_of("weka") == (1.0, 2.0) and bare.sessions_at(9.0, "weka") == 2
     assert bare.context_scale_of("weka") == 0.05 and bare.max_output_of("weka") is None
+
+
+def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A load run several times counts with the mean of its runs (one lucky run does not make the
+    peak); --from-rows reports saved rows without running anything."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+
+    def row(router: str, rate: float, tps: float) -> dict:
+        return {"router": router, "family": router.split(":")[0], "policy": router.split(":")[1], "tuned": False,
+                "workload": "trace1", "rate": rate, "requests": 10, "failed": 0, "tps_slo": tps, "ttft_p50": 0.1,
+                "ttft_p99": 0.2, "local_share": 0.5, "global_share": 0.2, "miss_share": 0.3, "imbalance": 1.1,
+                "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router]}
+
+    rows = [row("ours:smetric", 6.0, 100.0), row("ours:smetric", 6.0, 140.0), row("ours:smetric", 12.0, 110.0),
+            row("vllm:kv_aware", 6.0, 125.0), row("vllm:kv_aware", 12.0, 90.0)]
+    assert live_peers.best_per_router(rows, "trace1") == {"ours:smetric": 120.0, "vllm:kv_aware": 125.0}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert live_peers.main(["--quick", "--from-rows", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ours_vs_best_peer_tps_slo"] == {"trace1": 0.96} and out["best_peer"] == "vllm:kv_aware"
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert live_peers.main(["--quick", "--from-rows", str(tmp_path / "bad.jsonl")]) == 2
