@@ -8,6 +8,7 @@ GPUs and the RDMA store cannot run here."""
 from __future__ import annotations
 
 import json
+import signal
 import os
 import shutil
 import subprocess
@@ -161,8 +162,12 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
     assert live_peers.best_per_router(rows, "trace1") == {"ours:smetric": 120.0, "vllm:kv_aware": 125.0}
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert live_peers.main(["--quick", "--from-rows", str(path)]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["ours_vs_best_peer_tps_slo"] == {"trace1": 0.96} and out["best_peer"] == "vllm:kv_aware"
-    (tmp_path / "bad.jsonl").write_text("not json\n")
-    assert live_peers.main(["--quick", "--from-rows", str(tmp_path / "bad.jsonl")]) == 2
+    sigterm = signal.getsignal(signal.SIGTERM)  # main() installs its own; pytest's comes back after
+    try:
+        assert live_peers.main(["--quick", "--from-rows", str(path)]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["ours_vs_best_peer_tps_slo"] == {"trace1": 0.96} and out["best_peer"] == "vllm:kv_aware"
+        (tmp_path / "bad.jsonl").write_text("not json\n")
+        assert live_peers.main(["--quick", "--from-rows", str(tmp_path / "bad.jsonl")]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
