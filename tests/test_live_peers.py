@@ -8,9 +8,9 @@ GPUs and the RDMA store cannot run here."""
 from __future__ import annotations
 
 import json
-import signal
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
