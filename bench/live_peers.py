@@ -415,6 +415,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
             "workload": wl_name, "rate": rate, "requests": res["requests"], "failed": res["failed"],
             "tps_slo": res["tps_slo"], "ttft_p50": res.get("ttft_p50"), "ttft_p99": res.get("ttft_p99"),
+            "tpot_p50": res.get("tpot_p50"), "tpot_p99": res.get("tpot_p99"),
+            "lost_ttft": res.get("tokens_lost_ttft"), "lost_tpot": res.get("tokens_lost_tpot"),
             "local_share": gpu / total, "global_share": glob / total, "miss_share": 1 - (gpu + glob) / total,
             "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
             "per_instance_requests": delta("requests_ok"),
@@ -527,11 +529,13 @@ def best_per_router(rows: list[dict[str, Any]], wl: str) -> dict[str, float]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'router':58s} {'wl':6s} {'rate':>5s} {'req':>5s} {'fail':>4s} {'TPS@SLO':>9s} {'TTFT50':>7s} "
-            f"{'TTFT99':>7s} {'local':>6s} {'global':>6s} {'miss':>6s} {'imbal':>6s} {'cpu/1k':>8s}")
+            f"{'TTFT99':>7s} {'TPOT99':>7s} {'lostT':>6s} {'lostP':>6s} {'local':>6s} {'global':>6s} {'miss':>6s} "
+            f"{'imbal':>6s} {'cpu/1k':>8s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['router'][:58]:58s} {r['workload']:6s} {r['rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
                      f"{r['tps_slo']:9.0f} {r['ttft_p50'] or 0:7.2f} {r['ttft_p99'] or 0:7.2f} "
+                     f"{1e3 * (r.get('tpot_p99') or 0):7.1f} {r.get('lost_ttft') or 0:6.1%} {r.get('lost_tpot') or 0:6.1%} "
                      f"{r['local_share']:6.1%} {r['global_share']:6.1%} {r['miss_share']:6.1%} "
                      f"{r['imbalance']:6.2f} {r['router_cpu_ms_per_1k']:8.0f}")
     return "\n".join(lines)

@@ -116,7 +116,7 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
     cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
     pols = [PolicyConfig(name="smetric"), PolicyConfig(name="load_balance"), PolicyConfig(name="lmetric")]
     res = knee_sweeps({"w": None}, {"s": Setting("w", cfg, PROF)}, pols, pols[0], (1.0, 1.5), pilots=1,  # type: ignore[dict-item]
-                      min_sessions=180)  # fmt: skip
+                      min_sessions=180, refine=0)  # fmt: skip
     kr = res["s"]
     assert kr.knee_rate == pytest.approx(0.9)  # the pilot (busy 0.5 at 0.5/s) scaled towards 90% busy
     assert kr.window_s == pytest.approx(200.0)  # stretched so 180 sessions arrive at 0.9/s
@@ -179,6 +179,34 @@ def test_knee_sweep_runs_every_policy_where_another_peaked(monkeypatch: pytest.M
     # and, best at that new bottom, the variant was bracketed below it too
     assert min(kr.by_rate["smetric_ect"]) == pytest.approx(1 / 1.5**2)
     assert kr.ratio("smetric_ect", ["load_balance"]) == pytest.approx(14 / 13)
+
+
+def test_knee_sweep_refines_each_peak_towards_its_slo_cliff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TPS within SLO rising with the load up to a cliff at 1.18x the knee rate: the grid (0.8, 1.0,
+    1.25) credits the run at 1.0; two refining rounds run halfway to 1.25 (1.118: before the cliff,
+    the new best) and then halfway from there (1.182: past it), and the peak is credited at 1.118."""
+    from smetric_lmc.lab.sim import knee as knee_mod
+
+    def fake_run(wls, tasks, jobs=1, desc=""):  # noqa: ANN001, ANN202
+        out = []
+        for t in tasks:
+            f = t.cfg.rate  # the knee rate is 1.0
+            s = {"pd": False, "tps_slo": f if f < 1.18 else 0.1, "gpu_busy_share": 0.95, "gpu_busy_max": 1.0,
+                 "token_imbalance_mean": 1.2}  # fmt: skip
+            out.append(SimResult(t.policy.name, s, np.empty(0), np.empty(0), np.empty(0)))
+        return out
+
+    monkeypatch.setattr(knee_mod, "run_tasks", fake_run)
+    monkeypatch.setattr(knee_mod, "guess_rate", lambda wl, prof, n: 1.0)
+    cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
+    pols = [PolicyConfig(name="load_balance")]
+    setting = {"s": Setting("w", cfg, PROF)}
+    coarse = knee_sweeps({"w": None}, setting, pols, pols[0], (0.8, 1.0, 1.25), pilots=0, refine=0)  # type: ignore[dict-item]
+    assert coarse["s"].score("load_balance") == pytest.approx(1.0)
+    kr = knee_sweeps({"w": None}, setting, pols, pols[0], (0.8, 1.0, 1.25), pilots=0)["s"]  # type: ignore[dict-item]
+    assert sorted(kr.by_rate["load_balance"]) == pytest.approx([0.8, 1.0, 1.25**0.5, (1.25**1.5) ** 0.5, 1.25])
+    assert kr.score("load_balance") == pytest.approx(1.25**0.5)
+    assert kr.rate_factor["load_balance"] == pytest.approx(1.25**0.5)
 
 
 def _knee(scores: dict[str, float]) -> KneeResult:

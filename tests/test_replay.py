@@ -16,9 +16,10 @@ from replay_helpers import check_feedback
 
 from smetric_lmc.lab.mock_engine.cli import options, running_mocks
 from smetric_lmc.lab.replay.prompts import TokenSpace, prompt_tokens, scaled_ids
-from smetric_lmc.lab.replay.runner import Replay, ReplayConfig
+from smetric_lmc.lab.replay.runner import Record, Replay, ReplayConfig
 from smetric_lmc.lab.replay.summary import summarize_records
 from smetric_lmc.lab.sim.cluster import chained_lcp
+from smetric_lmc.lab.sim.config import SLO, SimConfig
 from smetric_lmc.lab.workload import synthetic
 from smetric_lmc.lab.workload.model import TraceRequest, TraceSession, Workload
 
@@ -225,3 +226,19 @@ async def test_first_token_is_timed_when_its_text_is_empty() -> None:
     assert rec.ok and rec.completion_tokens == 3
     assert rec.first_token - rec.arrival < gap  # the first (empty-text) chunk, not one 0.3 s later
     assert rec.finish - rec.first_token >= 2 * gap * 0.9
+
+
+def test_the_summary_says_whether_tps_within_slo_was_lost_to_ttft_or_to_tpot() -> None:
+    """Three served requests of 1,100 tokens each: one within both SLOs, one past its TTFT limit,
+    one on time but decoding slower than the TPOT limit; each loses a third of the tokens."""
+    def rec(k: int, first: float, finish: float) -> Record:
+        return Record(session=k, session_id=str(k), request=0, turn=0, input=1000, output=100, arrival=0.0,
+                      first_token=first, finish=finish, status=200, ok=True, instance="a")
+
+    slo = SLO()
+    late = slo.ttft_limit(1000) + 1.0
+    records = [rec(0, 0.5, 0.5 + 99 * 0.01), rec(1, late, late + 99 * 0.01), rec(2, 0.5, 0.5 + 99 * 0.1)]
+    s = summarize_records(records, SimConfig(slo=slo)).summary
+    assert s["tokens_lost_ttft"] == pytest.approx(1 / 3)
+    assert s["tokens_lost_tpot"] == pytest.approx(1 / 3)
+    assert s["slo_attainment"] == pytest.approx(1 / 3)

@@ -88,6 +88,10 @@ def summarize_records(records: Sequence[Record], cfg: SimConfig | None = None, p
         tps_slo=float(tokens[ok].sum() / dur),
         prefill_tps_slo=float(inp[ttft_ok].sum() / dur),
         slo_attainment=float(ok[served].mean()) if served.any() else 0.0,
+        # where TPS within SLO went: token shares of the served requests past their TTFT limit, and
+        # within it but past the TPOT limit (what a router lost to queueing vs to crowded batches)
+        tokens_lost_ttft=float(tokens[served & ~ttft_ok].sum() / max(1, tokens[served].sum())),
+        tokens_lost_tpot=float(tokens[served & ttft_ok & ~tpot_ok].sum() / max(1, tokens[served].sum())),
         hit_local=float(cols["local_tokens"][served].sum() / max(1, served_in)),
         hit_global=0.0,
         hit_miss=1 - float(cols["local_tokens"][served].sum() / max(1, served_in)),

@@ -11,7 +11,10 @@ x lower (its SLO gave out below the knee rate: the peak is not bracketed), up to
 Every policy also runs at every load where another policy of its setting peaked: past the SLO cliff
 TPS within SLO is small and not monotone in the load, and a policy whose one lucky run past the cliff
 beat its run at the knee was otherwise credited with that bump (a "collapse" of 5-10x in one seed of
-the regime map that was the search, not the policy). With ``min_sessions``, each setting's
+the regime map that was the search, not the policy). Last, each policy runs halfway between its
+best load and the next load above it, twice (``REFINE_ROUNDS``): its peak sits just below its SLO
+cliff, and a grid step of 1.25x would otherwise credit a policy whose cliff falls just short of a
+grid point with the run one step below it. With ``min_sessions``, each setting's
 arrival window is then stretched so at least that many root sessions arrive at its knee rate (a
 cell with long contexts saturates at a few sessions per minute: a short window measures a handful).
 
@@ -41,6 +44,10 @@ TARGET_BUSY = 0.9
 BUSY_FLAG = 0.8
 HOT_BUSY = 0.95  # an instance this busy is saturated
 EXTEND_STEP = 1.5
+# Rounds that halve the gap between a policy's best load and the next one above it (see knee_sweeps):
+# two take a 1.25x grid step to ~1.06x, so where a cliff falls costs a policy at most ~6% of its peak.
+REFINE_ROUNDS = 2
+REFINE_MIN_GAP = 0.02  # a gap already this narrow is not refined
 
 
 @dataclass(frozen=True)
@@ -105,11 +112,13 @@ def knee_sweeps(
     extend: int = 1,
     min_sessions: int = 0,
     labels: Sequence[str] | None = None,
+    refine: int = REFINE_ROUNDS,
 ) -> dict[Hashable, KneeResult]:
     """Each policy's best score around each setting's knee; ``extend`` more rounds, each one
     ``EXTEND_STEP`` x further, for the policies whose best is still their top load or whose top load
     did not saturate their GPUs; and every policy also at every load where another policy of the same
-    setting peaked. Results are keyed by ``labels`` (default: the policy names; give labels to run
+    setting peaked; then ``refine`` rounds, each running every policy halfway (geometrically)
+    between its best load and the next load above it that it ran. Results are keyed by ``labels`` (default: the policy names; give labels to run
     several parameter settings of one policy side by side)."""
     if labels is not None:
         if len(labels) != len(policies) or len(set(labels)) != len(labels):
@@ -132,13 +141,12 @@ def knee_sweeps(
     bottom = {(k, pol.name): min(factors) for k in keys for pol in policies}
     ran: dict[tuple[Hashable, str], set[float]] = {(k, pol.name): set() for k in keys for pol in policies}
     top_busy: dict[tuple[Hashable, str], float] = {}
-    rnd = 0
-    while todo:
+
+    def run_round(todo: list[tuple[Hashable, Any, float]], label: str) -> None:
         tasks = [
             Task(settings[k].wkey, _at(settings[k].cfg, knee[k] * f), _cfg_of(pol), settings[k].profile)
             for k, pol, f in todo
         ]
-        label = desc if rnd == 0 else f"{desc}: bracketing ({rnd}/{extend + 1})"
         for (k, pol, f), r in zip(todo, run_tasks(workloads, tasks, jobs, desc=label), strict=True):
             kr = out[k]
             kr.by_rate.setdefault(pol.name, {})[knee[k] * f] = r.score
@@ -152,6 +160,10 @@ def knee_sweeps(
             if pol.name not in kr.peaks or r.score > kr.peaks[pol.name].score:
                 kr.peaks[pol.name] = r
                 kr.rate_factor[pol.name] = f
+
+    rnd = 0
+    while todo:
+        run_round(todo, desc if rnd == 0 else f"{desc}: bracketing ({rnd}/{extend + 1})")
         up: list[tuple[Hashable, PolicyConfig, float]] = []
         down: list[tuple[Hashable, PolicyConfig, float]] = []
         if rnd < extend and len(factors) > 1:
@@ -171,6 +183,21 @@ def knee_sweeps(
                  if f not in ran[(k, pol.name)] and (k, pol.name, f) not in planned]  # fmt: skip
         todo = up + down + cross
         rnd += 1
+    for it in range(refine if len(factors) > 1 else 0):
+        # TPS within SLO rises with the load up to a cliff and falls off it: a policy's peak lies
+        # between its best load and the next load it ran, so halve that gap (geometrically).
+        # Without this, a grid step of 1.25-1.5x credits a policy whose cliff falls just below a
+        # grid point with its run one step down, up to a fifth below its peak, by luck of the grid.
+        todo = []
+        for k in keys:
+            for pol in policies:
+                fb = out[k].rate_factor[pol.name]
+                above = [f for f in ran[(k, pol.name)] if f > fb]
+                if above and min(above) / fb > 1 + REFINE_MIN_GAP:
+                    todo.append((k, pol, math.sqrt(fb * min(above))))
+        if not todo:
+            break
+        run_round(todo, f"{desc}: refining ({it + 1}/{refine})")
     for k, kr in out.items():
         for name, r in kr.peaks.items():
             if kr.rate_factor[name] >= top[(k, name)] and len(factors) > 1:
