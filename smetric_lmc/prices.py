@@ -267,6 +267,7 @@ class InstancePrices:
     decode_us_per_req: float
     observations: int = 0
     mean_output: float = 0.0  # output tokens of a mean answer (0: none reported yet)
+    ttft_rel_noise: float = 0.0  # the TTFT fit's robust relative residual scale (0: none yet)
 
     def prefill_token_us(self, context: int) -> float:
         """µs to compute one token of a request with ``context`` tokens."""
@@ -314,7 +315,8 @@ class InstanceEstimator:
         # Negative fits (a price the data cannot separate from noise yet) count as free, never as a gain.
         if self._cache is None:
             vals = [_nonneg(float(v)) for v in (*self.ttft.slow.theta, *self.tpot.slow.theta)]
-            self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output)
+            self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output,
+                                         ttft_rel_noise=self.ttft.slow.noise if self.ttft.slow.n else 0.0)
         return self._cache
 
     def rel_std_vector(self) -> np.ndarray:
@@ -375,7 +377,8 @@ class PriceBook:
             se2 = (rs_own[k] * a) ** 2 + (rs_pool[k] * b) ** 2
             w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 else 0.0
             vals.append(float(b + w * (a - b)))
-        return InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output)
+        return InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
+                              ttft_rel_noise=pool.ttft_rel_noise)
 
     def forget_instance(self, instance_id: str) -> None:
         self._by.pop(instance_id, None)

@@ -219,3 +219,34 @@ def test_learned_prices_in_the_view_replace_the_configured_ones() -> None:
     # and the router fills them only for a policy that asks
     assert "prices" in make_policy(PolicyConfig(name="smetric_ect")).needs
     assert "prices" not in make_policy(PolicyConfig(name="smetric_ect_fixed")).needs
+
+
+def test_a_follow_up_leaves_its_holder_only_for_a_significant_saving() -> None:
+    """With learned prices the costs are predictions of the TTFT fit's noise: a move must save more
+    than move_z standard deviations of the two costs' error (noise x sqrt(a^2 + b^2))."""
+    from smetric_lmc.prices import DEFAULT_PRIORS, PRICE_NAMES, InstancePrices
+
+    def prices(noise: float) -> InstancePrices:
+        vals = {**DEFAULT_PRIORS, "prefill_us": 100.0, "prefill_us_per_ktok": 0.0, "fetch_global_us": 1.0,
+                "fetch_global_fixed_us": 0.0, "queue_us_per_tok": 100.0, "inflight_us": 1000.0,
+                "decode_us_per_req": 0.0}  # fmt: skip
+        return InstancePrices(*(vals[k] for k in PRICE_NAMES), ttft_rel_noise=noise)
+
+    def v(load: list[float], noise: float) -> ClusterView:
+        n = len(load)
+        return ClusterView(IDS[:n], [800] + [0] * (n - 1), load, 1000, turn=1, est_hit=512, global_hit=800,
+                           unprefilled=[0.0] * n, prices=[prices(noise)] * n)  # fmt: skip
+
+    p = ect(100.0, 0.0, 1.0, 1000.0)
+    assert p.move_z == 1.0  # the default
+    # holder 100*200*2 + 1,000 = 41,000; the idle one 100*200 + 800 = 20,800: a saving of 20,200
+    # 0.5 * sqrt(41,000^2 + 20,800^2) = 22,987 > 20,200: not significant, the session stays
+    d = smetric_ect(v([1, 0], 0.5), p)
+    assert (d.index, d.reason) == (0, Reason.STICKY)
+    # a fit with less noise (0.3: 13,792), no estimate yet (0), or move_z = 0: it moves
+    assert smetric_ect(v([1, 0], 0.3), p).index == 1
+    assert smetric_ect(v([1, 0], 0.0), p).index == 1
+    assert smetric_ect(v([1, 0], 0.5), ect(100.0, 0.0, 1.0, 1000.0, move_z=0.0)).index == 1
+    # a large saving moves it whatever the noise: 83,000 vs 20,800 against 0.5 * 85,566 = 42,783
+    d = smetric_ect(v([3, 1, 0], 0.5), p)
+    assert (d.index, d.reason) == (2, Reason.OVERLOADED)

@@ -59,6 +59,18 @@ adoption did not help at the knee (paired ÷ LMetric 1.022 before, 0.998 after);
 right the variant still moves ~2x LMetric's share of follow-ups, on (1 + load) differences of one
 request between holder and target.
 
+What the decision traces showed next (issue 23, the slow fetch paths, where the variant still moved
+~2x LMetric's share of follow-ups at the knee and lost to it): the costs a move is decided on are
+predictions, and a move that saves less than their error is a coin flip whose losing side is a
+multi-second synchronous load. A follow-up therefore leaves its holder h for the cheapest instance k
+only when cost[h] - cost[k] > move_z x noise x sqrt(cost[h]^2 + cost[k]^2), noise being the learned
+TTFT fit's robust relative residual scale (each cost's error taken as independent, of that relative
+size): a saving of more than one standard deviation. z = 1 was chosen on arrival seeds 1 and 2 of
+bench/prices.py's part 3 (z = 0, 1, 2: the worst of the 8 cells 0.964, 1.021, 0.982 ÷ the best
+baseline, the mean 1.039, 1.039, -); judged on seeds 0, 3 and 4 it moved the worst cell from 0.931 to
+0.957 and the mean from 1.013 to 1.043 (docs/prices.md). Without learned prices (no noise estimate) it
+does nothing.
+
 The cost of the request on instance i, in µs, priced with what instance i's requests were measured
 to cost (``view.prices[i]``, learned online from done reports by ``smetric_lmc.prices`` and shrunk to
 the cluster's price as above; the params' prices are the cold-start prior and stand in where a view
@@ -127,6 +139,9 @@ class ECTParams:
     slack_share: float = 0.5
     drag_no_global: float = 1.0  # weight of the drag when the global tier holds none of the prefix
     queue_no_global: float = 1.0  # and of the queue term
+    # a follow-up leaves the instance holding its KV only when the saving is significant: above z
+    # standard deviations of the two costs' prediction error (the learned TTFT fit's relative noise)
+    move_z: float = 1.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, float], hit_ratio: float = 0.5) -> ECTParams:
@@ -191,9 +206,15 @@ def smetric_ect(view: ClusterView, p: ECTParams = ECTParams()) -> Choice:
     n = len(view.instances)
     if n == 0:
         return NO_INSTANCE
-    k = rr_argmin(ect_scores(view, p), view.rr)
+    scores = ect_scores(view, p)
+    k = rr_argmin(scores, view.rr)
     if view.turn == 0:
         return Choice(k, Reason.FIRST_TURN)
+    if p.move_z > 0 and view.prices is not None:
+        h = view.holder()
+        noise = view.prices[h].ttft_rel_noise
+        if k != h and scores[h] - scores[k] <= p.move_z * noise * (scores[h] * scores[h] + scores[k] * scores[k]) ** 0.5:
+            k = h
     best = view.best_hit()[0]
     if view.hit(k) == best:
         return Choice(k, Reason.STICKY)
