@@ -66,9 +66,8 @@ multi-second synchronous load. A follow-up therefore leaves its holder h for the
 only when cost[h] - cost[k] > move_z x noise x sqrt(cost[h]^2 + cost[k]^2), noise being the learned
 TTFT fit's robust relative residual scale (each cost's error taken as independent, of that relative
 size): a saving of more than one standard deviation. z = 1 was chosen on arrival seeds 1 and 2 of
-bench/prices.py's part 3 (z = 0, 1, 2: the worst of the 8 cells 0.964, 1.021, 0.982 ÷ the best
-baseline, the mean 1.039, 1.039, -); judged on seeds 0, 3 and 4 it moved the worst cell from 0.931 to
-0.957 and the mean from 1.013 to 1.043 (docs/prices.md). Without learned prices (no noise estimate) it
+bench/prices.py's part 3 (z = 1 raised the worst of the 8 cells over z = 0 at the same mean; z = 2
+lost two of the four slow cells); the judged figures are in docs/prices.md. Without learned prices (no noise estimate) it
 does nothing.
 
 The cost of the request on instance i, in µs, priced with what instance i's requests were measured
