@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -33,6 +35,16 @@ from smetric_lmc.lab.workload.presets import preset_workload
 
 PROF = load_profile("qwen3-30b-a3b-h20")
 
+
+
+def _fake_runs(summary: Callable[[Any], dict[str, Any]]) -> Callable[..., list[SimResult]]:
+    """A stand-in for ``knee.run_tasks``: each task's result is ``summary(task)`` (PD colocation)."""
+
+    def run(wls: Any, tasks: Any, jobs: int = 1, desc: str = "") -> list[SimResult]:
+        empty = np.empty(0)
+        return [SimResult(t.policy.name, {"pd": False, **summary(t)}, empty, empty, empty) for t in tasks]
+
+    return run
 
 def test_grown_profile_holds_the_requested_kv() -> None:
     p = grown_profile(PROF, 2_000_000)
@@ -101,17 +113,13 @@ def test_knee_sweep_brackets_each_policy_and_says_why_a_peak_is_low(monkeypatch:
         "lmetric": (lambda r: 1.0 if r < 1 else 0.5, lambda r: r / 3),  # never saturates its GPUs
     }
 
-    def fake_run(wls, tasks, jobs=1, desc=""):  # noqa: ANN001, ANN202
-        out = []
-        for t in tasks:
-            score, busy = curves[t.policy.name]
-            hot = 0.5 if t.policy.name == "lmetric" else 1.0  # lmetric: no instance saturated either
-            s = {"pd": False, "tps_slo": score(t.cfg.rate), "gpu_busy_share": busy(t.cfg.rate), "gpu_busy_max": hot,
-                 "token_imbalance_mean": 2.5}  # fmt: skip
-            out.append(SimResult(t.policy.name, s, np.empty(0), np.empty(0), np.empty(0)))
-        return out
+    def summary(t: Any) -> dict[str, Any]:
+        score, busy = curves[t.policy.name]
+        hot = 0.5 if t.policy.name == "lmetric" else 1.0  # lmetric: no instance saturated either
+        return {"tps_slo": score(t.cfg.rate), "gpu_busy_share": busy(t.cfg.rate), "gpu_busy_max": hot,
+                "token_imbalance_mean": 2.5}  # fmt: skip
 
-    monkeypatch.setattr(knee_mod, "run_tasks", fake_run)
+    monkeypatch.setattr(knee_mod, "run_tasks", _fake_runs(summary))
     monkeypatch.setattr(knee_mod, "guess_rate", lambda wl, prof, n: 0.5)
     cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
     pols = [PolicyConfig(name="smetric"), PolicyConfig(name="load_balance"), PolicyConfig(name="lmetric")]
@@ -158,16 +166,12 @@ def test_knee_sweep_runs_every_policy_where_another_peaked(monkeypatch: pytest.M
         "smetric_ect": {1 / 1.5: 14.0, 1.0: 1.5, 1.4: 3.8, 1.4 * 1.5: 0.0, 1 / 1.5**2: 9.5},
     }
 
-    def fake_run(wls, tasks, jobs=1, desc=""):  # noqa: ANN001, ANN202
-        out = []
-        for t in tasks:
-            c = curves[t.policy.name]
-            f = min(c, key=lambda v: abs(v - t.cfg.rate))  # the knee rate is 1.0
-            s = {"pd": False, "tps_slo": c[f], "gpu_busy_share": 0.9, "gpu_busy_max": 1.0, "token_imbalance_mean": 1.5}
-            out.append(SimResult(t.policy.name, s, np.empty(0), np.empty(0), np.empty(0)))
-        return out
+    def summary(t: Any) -> dict[str, Any]:
+        c = curves[t.policy.name]
+        f = min(c, key=lambda v: abs(v - t.cfg.rate))  # the knee rate is 1.0
+        return {"tps_slo": c[f], "gpu_busy_share": 0.9, "gpu_busy_max": 1.0, "token_imbalance_mean": 1.5}
 
-    monkeypatch.setattr(knee_mod, "run_tasks", fake_run)
+    monkeypatch.setattr(knee_mod, "run_tasks", _fake_runs(summary))
     monkeypatch.setattr(knee_mod, "guess_rate", lambda wl, prof, n: 1.0)
     cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
     pols = [PolicyConfig(name="load_balance"), PolicyConfig(name="smetric_ect")]
@@ -187,16 +191,12 @@ def test_knee_sweep_refines_each_peak_towards_its_slo_cliff(monkeypatch: pytest.
     the new best) and then halfway from there (1.182: past it), and the peak is credited at 1.118."""
     from smetric_lmc.lab.sim import knee as knee_mod
 
-    def fake_run(wls, tasks, jobs=1, desc=""):  # noqa: ANN001, ANN202
-        out = []
-        for t in tasks:
-            f = t.cfg.rate  # the knee rate is 1.0
-            s = {"pd": False, "tps_slo": f if f < 1.18 else 0.1, "gpu_busy_share": 0.95, "gpu_busy_max": 1.0,
-                 "token_imbalance_mean": 1.2}  # fmt: skip
-            out.append(SimResult(t.policy.name, s, np.empty(0), np.empty(0), np.empty(0)))
-        return out
+    def summary(t: Any) -> dict[str, Any]:
+        f = t.cfg.rate  # the knee rate is 1.0
+        return {"tps_slo": f if f < 1.18 else 0.1, "gpu_busy_share": 0.95, "gpu_busy_max": 1.0,
+                "token_imbalance_mean": 1.2}  # fmt: skip
 
-    monkeypatch.setattr(knee_mod, "run_tasks", fake_run)
+    monkeypatch.setattr(knee_mod, "run_tasks", _fake_runs(summary))
     monkeypatch.setattr(knee_mod, "guess_rate", lambda wl, prof, n: 1.0)
     cfg = load_sim_config(instances=2, sampling="replace", arrival_window_s=100.0)
     pols = [PolicyConfig(name="load_balance")]
