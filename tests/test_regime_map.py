@@ -244,6 +244,24 @@ def test_map_seeds_vary_the_arrivals_and_policies_share_them() -> None:
     ]
 
 
+def test_map_runs_each_labelled_baseline_at_its_own_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter setting of a baseline (bench/prices.py's tuned Bailian) runs under its label beside the
+    default, each at its own λ."""
+    from smetric_lmc.lab.sim import knee as knee_mod
+
+    def summary(t: Any) -> dict[str, Any]:
+        tps = 1000 * t.policy.bailian_lambda if t.policy.name == "bailian" else 500.0
+        return {"tps_slo": tps, "gpu_busy_share": 0.95, "gpu_busy_max": 1.0, "token_imbalance_mean": 1.2}
+
+    monkeypatch.setattr(knee_mod, "run_tasks", _fake_runs(summary))
+    half = PolicyConfig(name="bailian", bailian_lambda=0.5)
+    spec = MapSpec(xs=(0.3,), tiers=("full",), instances=2, pool_roots=30, window_s=120.0, rate_factors=(1.0,),
+                   pilots=0, baselines=("bailian", "bailian λ=0.5"), seeds=(0,), configs={"bailian λ=0.5": half})  # fmt: skip
+    (cell,) = run_map(spec, load_sim_config(), PROF).cells
+    assert cell.score("bailian") == pytest.approx(900.0) and cell.score("bailian λ=0.5") == pytest.approx(500.0)
+    assert cell.best_baseline(["bailian λ=0.5"]) == ("bailian λ=0.5", pytest.approx(500.0))
+
+
 def test_map_tiny(tmp_path: Path) -> None:
     spec = MapSpec(xs=(0.05, 0.3), tiers=("none", "full"), instances=2, pool_roots=30, window_s=120.0,
                    rate_factors=(1.0,), variant=VARIANT, pilots=1, baselines=("load_balance",), seeds=(0, 1))  # fmt: skip

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,9 @@ class MapSpec:
     seeds: Sequence[int] = (0, 1, 2)  # arrival seeds (+ the config's): each cell runs once per seed, all policies alike
     pilots: int = 2  # pilot runs that move each cell's rate towards its knee
     variant_policy: PolicyConfig | None = None  # the variant's parameters (YAML); None: defaults
+    # baselines named by a label run at these settings (e.g. "bailian λ=0.5": one parameter value of a
+    # baseline tuned elsewhere); a name not here is a policy at its defaults
+    configs: Mapping[str, PolicyConfig] = field(default_factory=dict)
 
     @property
     def policies(self) -> list[str]:
@@ -164,6 +167,8 @@ def _cfg(base: SimConfig, spec: MapSpec, tier: str, rate: float) -> SimConfig:
 def _policy(spec: MapSpec, name: str) -> PolicyConfig:
     if spec.variant_policy is not None and name == spec.variant_policy.name:
         return spec.variant_policy
+    if name in spec.configs:
+        return spec.configs[name]
     return PolicyConfig(name=name)  # type: ignore[arg-type]
 
 
@@ -211,6 +216,7 @@ def run_map(spec: MapSpec, base: SimConfig, prof: Profile, jobs: int = 1) -> Reg
     res = knee_sweeps(
         wls, settings, pols, _policy(spec, spec.ours), spec.rate_factors, jobs, spec.pilots, desc="map",
         min_sessions=spec.min_sessions, extend=spec.extend,
+        labels=spec.policies if spec.configs else None,
     )
     cells = []
     for x in spec.xs:
