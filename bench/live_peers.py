@@ -332,7 +332,9 @@ def router_counters(url: str, family: str) -> dict[str, float]:
             return await _get_text(s, url)
 
     text = asyncio.run(main())
-    keep = {"ours": ("smetric_route_decisions_total", "smetric_routed_total", "smetric_decisions_total"),
+    # ours: also the learned TTFT fit's noise (smetric_ect's move margin scales with it)
+    keep = {"ours": ("smetric_route_decisions_total", "smetric_routed_total", "smetric_decisions_total",
+                     'smetric_price_ttft_noise{backend="cluster"}'),
             "vllm": ("vllm_router_prefix_routing_decisions_total", "vllm_router_kv_placement_lookups_total",
                      "vllm_router_policy_decisions_total", "vllm_router_processed_requests_total"),
             "sglang": ("smg_router_", "smg_worker_requests", "policy_decisions", "cache_hits", "cache_misses",

@@ -25,7 +25,9 @@ def make_feed(policy: PolicyConfig) -> PriceFeed:
 
 class PriceCollector(Collector):
     """``smetric_price_<name>{backend}`` (µs; ``backend="cluster"``: the pooled fit),
-    ``smetric_price_rel_std{backend,price}`` (its relative standard error) and
+    ``smetric_price_rel_std{backend,price}`` (its relative standard error),
+    ``smetric_price_ttft_noise{backend}`` (the TTFT fit's relative residual scale: ``smetric_ect`` moves a
+    follow-up off its holder only for a saving above ``move_z`` times it) and
     ``smetric_price_observations{backend}``, read at scrape time (``backend`` as in controller/metrics.py)."""
 
     def __init__(self, feed: PriceFeed) -> None:
@@ -47,6 +49,8 @@ class PriceCollector(Collector):
                                 labels=["backend", "price"])
         obs = GaugeMetricFamily("smetric_price_observations", "done reports a price fit has learned from",
                                 labels=["backend"])
+        noise = GaugeMetricFamily("smetric_price_ttft_noise", "relative residual scale of the learned TTFT fit",
+                                  labels=["backend"])
         for iid, est in rows:
             p = est.prices()
             for k in PRICE_NAMES:
@@ -54,6 +58,8 @@ class PriceCollector(Collector):
             for k, v in est.confidence().items():
                 rel.add_metric([iid, k], v)
             obs.add_metric([iid], p.observations)
+            noise.add_metric([iid], p.ttft_rel_noise)
         yield from fams.values()
         yield rel
         yield obs
+        yield noise

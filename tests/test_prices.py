@@ -132,6 +132,8 @@ def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
     assert 'smetric_price_fetch_global_us{backend="cluster"} 9.0' in text
     assert 'smetric_price_observations{backend="cluster"} 20.0' in text
     assert 'smetric_price_rel_std{backend="cluster",price="prefill_us"}' in text
+    noise = core.router.prices.book.pooled.prices().ttft_rel_noise
+    assert noise > 0 and f'smetric_price_ttft_noise{{backend="cluster"}} {noise!r}' in text
 
 
 def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
