@@ -179,6 +179,9 @@ MODES = {
 # (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
 # kv_aware index stayed empty and it never credited a cached prefix).
 EVENT_ARGS = ("--topic", "")
+# vllm-router's session key (it also reads session-id, x-claude-code-session-id, x-user-id and the
+# body's session_params.session_id / user), SGLang's model gateway's routing key, ours
+SESSION_HEADERS = ("x-session-id", "X-SMG-Routing-Key", "X-SMetric-Session")
 GATEWAY_TOKENIZE = "local"  # our gateway's tokenizer: "local" (--tokenizer) or "engine" (/tokenize); --gateway-tokenize
 MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
 
@@ -396,7 +399,10 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
                        max_think_s=mode.max_think_s,
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
-                       tokens=TokenSpace(128, 16), text_prompts=True)
+                       tokens=TokenSpace(128, 16), text_prompts=True,
+                       # every router gets the same requests, each with its session's key in the
+                       # headers the routers' session affinity reads (ours reads X-SMetric-Turn as well)
+                       session_headers=SESSION_HEADERS)
     records = replay(wl, cfg)
     wall = time.monotonic() - t0
     cpu = router.cpu_s() - cpu0

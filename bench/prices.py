@@ -310,6 +310,8 @@ def fetch_axis(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             row = {"fetch_gbs": gbs, "tier": c.tier, "x": c.x, "best_baseline": b,
                    "bailian_lambda": lams[chosen[c.tier]].bailian_lambda,
                    "vs_best": v / bs if bs else float("nan"),
+                   # spread over the seeds of the paired per-seed ratio (same arrivals): the cell's noise
+                   "vs_best_seed_sd": c.spread(VARIANT, [b]) if b else float("nan"),
                    "vs_lmetric": v / c.score("lmetric") if c.score("lmetric") else float("nan"),
                    "vs_bailian_tuned": v / c.score(chosen[c.tier]) if c.score(chosen[c.tier]) else float("nan"),
                    "vs_fixed": v / c.score(FIXED) if c.score(FIXED) else float("nan"),
@@ -320,7 +322,8 @@ def fetch_axis(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
                     for pol, by in sorted(kr.by_rate.items()):
                         pts = " ".join(f"{r / kr.knee_rate:.3f}x {v:,.0f}" for r, v in sorted(by.items()))
                         log(f"[3]   seed {sd} {pol}: best {kr.score(pol):,.0f} at {kr.rate_factor[pol]:.3f}x | {pts}")
-            log(f"[3] {gbs:g} GB/s, global {c.tier}: variant ÷ best ({b}) {row['vs_best']:.3f}, ÷ lmetric "
+            log(f"[3] {gbs:g} GB/s, global {c.tier}: variant ÷ best ({b}) {row['vs_best']:.3f} (per-seed sd "
+                f"{row['vs_best_seed_sd']:.3f}), ÷ lmetric "
                 f"{row['vs_lmetric']:.3f}, ÷ tuned bailian (λ {row['bailian_lambda']:g}) {row['vs_bailian_tuned']:.3f}, "
                 f"÷ fixed-price {row['vs_fixed']:.3f}, ÷ smetric {row['vs_smetric']:.3f} ({time.monotonic() - t0:.0f} s)")
     return {"cells": rows, "wall_s": round(time.monotonic() - t0, 1)}

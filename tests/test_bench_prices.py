@@ -55,4 +55,4 @@ def test_bailian_is_judged_at_the_lambda_its_tuning_seed_chose(monkeypatch: pyte
     assert seen == [(bench.TUNE_SEED,), (0, 3)] and bench.TUNE_SEED not in (0, 3)
     assert row["bailian_lambda"] == 0.5 and row["best_baseline"] == "bailian λ=0.5"
     assert row["vs_best"] == pytest.approx(121 / 110) and row["vs_bailian_tuned"] == pytest.approx(121 / 110)
-    assert row["vs_lmetric"] == pytest.approx(1.21)
+    assert row["vs_lmetric"] == pytest.approx(1.21) and row["vs_best_seed_sd"] == pytest.approx(0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -121,14 +122,17 @@ async def _serving(app: web.Application) -> AsyncIterator[int]:
 
 async def test_text_prompts_resend_the_answer_without_return_token_ids() -> None:
     """With text prompts the answer's text is its ids (the byte tokenizer): the closed loop works
-    without ``return_token_ids``, a field vllm-router's kv_aware refuses cache credit for."""
+    without ``return_token_ids``, a field vllm-router's kv_aware refuses cache credit for. And each
+    request carries its session's key in the headers the peers' session affinity reads."""
     wl = _small_agent_workload(sessions=2, turns=6)
     bodies: list[dict] = []
+    keys: list[tuple[str | None, str | None]] = []
 
     @web.middleware
     async def spy(request: web.Request, handler):  # type: ignore[no-untyped-def]
         if request.path == "/v1/completions":
             bodies.append(json.loads(await request.read()))
+            keys.append((request.headers.get("x-session-id"), request.headers.get("X-SMG-Routing-Key")))
         return await handler(request)
 
     async with running_mocks(options(speed=400.0)) as mocks:
@@ -150,8 +154,13 @@ async def test_text_prompts_resend_the_answer_without_return_token_ids() -> None
         async with _serving(app) as port:
             records = await Replay(wl, ReplayConfig(url=f"http://127.0.0.1:{port}", rate=50.0, time_scale=0.0005,
                                                     context_scale=0.1, output_scale=0.1,
-                                                    tokens=TokenSpace(128, 16), text_prompts=True)).run()
+                                                    tokens=TokenSpace(128, 16), text_prompts=True,
+                                                    session_headers=("x-session-id", "X-SMG-Routing-Key"))).run()
     assert bodies and all("return_token_ids" not in b and isinstance(b["prompt"], str) for b in bodies)
+    # one key per replayed session, the same in both headers, on every one of its requests
+    assert all(a is not None and a == b for a, b in keys)
+    assert sorted(Counter(a for a, _ in keys).values()) == sorted(Counter(r.session for r in records).values())
+    assert len(set(keys)) == len({r.session for r in records}) >= 2
     assert all(r.ok for r in records)
     assert check_feedback(records, 32) >= 5
 

@@ -48,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         context_scale=args.context_scale, output_scale=args.output_scale, max_output=args.max_output,
         max_model_len=args.max_model_len, tokens=TokenSpace(args.vocab_size, args.token_low),
         timeout_s=args.timeout_s, records=Path(args.records) if args.records else None,
-        feedback=not args.no_feedback)
+        feedback=not args.no_feedback, session_headers=tuple(args.session_header or ()))
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -124,6 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", help="write one JSON line per request here")
     p.add_argument("--no-feedback", action="store_true",
                    help="closed loop: resend the recorded answer tokens instead of the generated ones")
+    p.add_argument("--session-header", action="append", metavar="NAME",
+                   help="send each session's key in this header (repeatable), for routers with session affinity: "
+                        "x-session-id (vLLM's router), X-SMG-Routing-Key (SGLang's), X-SMetric-Session (ours)")
     p.add_argument("--sim-config", help="SLO and TPS definitions (default: configs/sim.yaml)")
     p.add_argument("--label", help="row name in the table (default: the policy the gateway reports)")
     p.add_argument("--seed", type=int, default=0)

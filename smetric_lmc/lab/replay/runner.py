@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,10 @@ class ReplayConfig:
     # Stop with ReplayAborted after this many connection failures in a row (nothing answered
     # between them): a wrong --url fails fast instead of failing every request of the trace.
     max_connect_failures: int = 5
+    # Headers that carry each replayed session's key (vllm-router's x-session-id, SGLang's
+    # X-SMG-Routing-Key, ours X-SMetric-Session), for routers with session affinity; a key is unique
+    # to one replayed session of one run (sub-agents are sessions of their own).
+    session_headers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.text_prompts and self.tokens.vocab_size > 128:
@@ -115,6 +120,7 @@ class Replay:
         self._out: Any = None
         self.placed_requests = 0
         self._last_prompt: dict[int, list[int]] = {}
+        self._run_key = uuid.uuid4().hex[:8]
 
     # ---- run -------------------------------------------------------------------------------------
     async def run(self) -> list[Record]:
@@ -283,6 +289,8 @@ class Replay:
     async def _send(self, body: dict[str, Any], rec: Record, generated: list[int]) -> None:
         assert self._http is not None
         headers = {"X-SMetric-Turn": str(rec.turn), "X-SMetric-Est-Hit": str(rec.est_hit)}
+        for name in self.cfg.session_headers:
+            headers[name] = f"{self._run_key}-{rec.session}"
         async with self._http.post(self.cfg.url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
             rec.status = resp.status
             rec.instance = resp.headers.get("X-SMetric-Instance", "")
