@@ -92,7 +92,10 @@ class RecordedEngine:
         await self.pub.send_multipart(self.frames[seq])
 
     async def _serve_replay(self) -> None:
-        while True:
+        # A test may close the replay before this task first runs. pyzmq then receives through the
+        # freed libzmq handle: a socket opened later at that address (the controller's route
+        # ROUTER) loses its messages to this task. So never receive on a closed socket.
+        while not self.replay.closed:
             ident, empty, start = await self.replay.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_requests.append(first)

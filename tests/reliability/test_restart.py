@@ -6,6 +6,7 @@ from the fixture on a real XPUB, and a ROUTER answering replays from the same re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -109,9 +110,18 @@ async def test_routes_by_load_until_the_replay_is_in(tmp_path: Path) -> None:
         finally:
             await app.close()
     finally:
-        engine._task.cancel()
-        engine.pub.close(linger=0)
+        await engine.close()
         ctx.destroy(linger=0)
+
+
+async def test_a_closed_replay_peer_receives_nothing(ctx: zmq.asyncio.Context) -> None:
+    # Closed before its task first ran, as above: had the task gone on to receive, it would read
+    # through the freed socket and take the first route request from the controller's ROUTER.
+    engine = RecordedEngine([], ctx)
+    engine.replay.close(linger=0)
+    await asyncio.sleep(0)
+    assert engine._task.done() and engine._task.exception() is None
+    await engine.close()
 
 
 async def test_routes_are_answered_while_a_large_snapshot_is_restored(tmp_path: Path) -> None:
