@@ -70,13 +70,20 @@ class RouterConf:
     policy: str
     params: tuple[tuple[str, str], ...] = ()  # extra CLI flags (peers) or policy overrides (ours)
     tuned: bool = False
+    # the headers that carry each session's key to this router (None: its family's, SESSION_HEADERS)
+    session_headers: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
         base = f"{self.family}:{self.policy}"
-        if self.params:
-            base += "[" + ",".join(f"{k.lstrip('-')}={v}" for k, v in self.params) + "]"
-        return base
+        extra = [f"{k.lstrip('-')}={v}" for k, v in self.params]
+        if self.session_headers is not None:
+            extra.append(f"session-header={'+'.join(self.session_headers) or 'none'}")
+        return base + ("[" + ",".join(extra) + "]" if extra else "")
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return SESSION_HEADERS[self.family] if self.session_headers is None else self.session_headers
 
 
 def default_confs() -> list[RouterConf]:
@@ -179,9 +186,12 @@ MODES = {
 # (it drops every frame whose topic is not exactly its own, so with the mock's own default "kv" its
 # kv_aware index stayed empty and it never credited a cached prefix).
 EVENT_ARGS = ("--topic", "")
-# vllm-router's session key (it also reads session-id, x-claude-code-session-id, x-user-id and the
-# body's session_params.session_id / user), SGLang's model gateway's routing key, ours
-SESSION_HEADERS = ("x-session-id", "X-SMG-Routing-Key", "X-SMetric-Session")
+# The header each family reads a session's key from by default: vllm-router's session key for its
+# sticky policies and kv_aware's session affinity (it also reads session-id, x-claude-code-session-id,
+# x-user-id and the body's session_params.session_id / user); SGLang's router's routing key (in 0.3.2
+# its manual policy's input: cache_aware placed the same with or without it, docs/peers.md); ours (our
+# gateway takes the turn from X-SMetric-Turn as well).
+SESSION_HEADERS = {"ours": ("X-SMetric-Session",), "vllm": ("x-session-id",), "sglang": ("X-SMG-Routing-Key",)}
 GATEWAY_TOKENIZE = "local"  # our gateway's tokenizer: "local" (--tokenizer) or "engine" (/tokenize); --gateway-tokenize
 MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
 
@@ -400,9 +410,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
                        max_model_len=6144, timeout_s=120.0, seed=1,
                        # text prompts (ASCII ids) for every router: SGLang's takes text only
                        tokens=TokenSpace(128, 16), text_prompts=True,
-                       # every router gets the same requests, each with its session's key in the
-                       # headers the routers' session affinity reads (ours reads X-SMetric-Turn as well)
-                       session_headers=SESSION_HEADERS)
+                       # each request with its session's key in the header the router reads it from
+                       session_headers=conf.headers)
     records = replay(wl, cfg)
     wall = time.monotonic() - t0
     cpu = router.cpu_s() - cpu0
@@ -429,7 +438,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
             "per_instance_requests": delta("requests_ok"),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
-            "counters": counters, "policy_log": router.policy_log(), "argv": router.argv}
+            "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
+            "session_headers": list(conf.headers)}
 
 
 async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float]]:
