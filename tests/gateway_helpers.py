@@ -47,6 +47,8 @@ class FakeEngine:
     hold_stream: bool = False
     hold_after_done: bool = False  # everything up to [DONE] is sent, the end of the body waits
     die_mid_stream: bool = False
+    die_mid_body: bool = False  # a JSON answer's headers and first bytes go out, then the process dies
+    padding: int = 0  # bytes of filler in a JSON answer (a large non-streamed answer)
     tokenize_broken: bool = False
     tokenize_delay_s: float = 0.0  # a saturated engine's API server: /tokenize answers late
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -88,13 +90,24 @@ class FakeEngine:
             return web.json_response({"error": {"message": "engine broken"}}, status=self.fail_status)
         if not body.get("stream"):
             n = len(tokens_of(render(body["messages"], True)))
-            return web.json_response({
+            answer = web.json_response({
                 "id": f"{self.name}-1", "object": "chat.completion", "model": body.get("model"),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": f"from {self.name}"},
                              "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3,
                           "prompt_tokens_details": {"cached_tokens": 32}},
+                **({"padding": "x" * self.padding} if self.padding else {}),
             })
+            if not self.die_mid_body:
+                return answer
+            assert isinstance(answer.body, bytes) and request.transport is not None
+            cut = web.StreamResponse(headers={"Content-Type": "application/json",
+                                              "Content-Length": str(len(answer.body))})
+            await cut.prepare(request)
+            await cut.write(answer.body[:20])
+            await asyncio.sleep(0.01)
+            request.transport.abort()
+            return cut
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(SSE_EVENTS[0])

@@ -49,6 +49,40 @@ async def test_chat_is_proxied_with_decision_headers_and_done_report(make_stack:
     assert s.controller is not None and len(s.controller.load) == 0  # released
 
 
+async def test_a_small_json_answer_goes_out_whole_and_a_large_one_streams(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    small = await s.chat(MSGS)
+    small_body = await small.read()
+    # Read whole and sent in one write: with its length, not chunked.
+    assert small.headers["Content-Length"] == str(len(small_body))
+    assert "Transfer-Encoding" not in small.headers
+    for e in s.engines:
+        e.padding = 2 << 20  # above what the gateway buffers
+    large = await s.chat(MSGS)
+    large_body = await large.read()
+    assert large.headers.get("Transfer-Encoding") == "chunked" and len(large_body) > 2 << 20
+    for resp, body in ((small, small_body), (large, large_body)):
+        inst = resp.headers["X-SMetric-Instance"]
+        assert json.loads(body)["choices"][0]["message"]["content"] == f"from {inst}"
+    dones = await s.wait_dones(2)
+    # Both answers' usage reached the controller.
+    assert [(d.output_tokens, d.cached_tokens, d.ok) for d in dones] == [(3, 32, True), (3, 32, True)]
+
+
+async def test_an_engine_dying_inside_a_small_json_answer_is_retried(make_stack: StackFactory) -> None:
+    s: Stack = await make_stack()
+    s.engines[0].die_mid_body = True
+    seen = set()
+    for _ in range(4):  # round trips until one lands on the dying engine first
+        resp = await s.chat(MSGS)
+        assert resp.status == 200
+        seen.add(resp.headers.get("X-SMetric-Retried-From"))
+        # Nothing of the cut answer reached the client: it gets the other engine's, whole.
+        assert json.loads(await resp.read())["choices"][0]["message"]["content"] == f"from {s.engines[1].name}"
+    assert s.engines[0].name in seen
+    assert s.gateway.counters["retries"] >= 1 and s.gateway.counters["bad_gateway"] == 0
+
+
 async def test_sse_stream_passes_through_byte_for_byte_as_it_arrives(make_stack: StackFactory) -> None:
     s: Stack = await make_stack()
     for e in s.engines:
