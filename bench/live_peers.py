@@ -430,7 +430,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     total = max(1, sum(prompt))
     n_ok = max(1, res["requests"] - res["failed"])
     return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
-            "workload": wl_name, "rate": rate, "requests": res["requests"], "failed": res["failed"],
+            "workload": wl_name, "rate": rate, "instances": mode.instances, "requests": res["requests"],
+            "failed": res["failed"],
             "tps_slo": res["tps_slo"], "ttft_p50": res.get("ttft_p50"), "ttft_p99": res.get("ttft_p99"),
             "tpot_p50": res.get("tpot_p50"), "tpot_p99": res.get("tpot_p99"),
             "lost_ttft": res.get("tokens_lost_ttft"), "lost_tpot": res.get("tokens_lost_tpot"),
@@ -545,6 +546,23 @@ def best_per_router(rows: list[dict[str, Any]], wl: str) -> dict[str, float]:
     return best
 
 
+def load_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration, workload and load: the numeric fields averaged over its runs, with
+    ``runs`` their count (the table of --repeats and of several --from-rows files)."""
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["router"], r["workload"], r["rate"]), []).append(r)
+    out = []
+    for same in groups.values():
+        m = dict(same[0], runs=len(same))
+        for key, v in same[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and key != "rate":
+                vals = [x.get(key) for x in same if isinstance(x.get(key), (int, float))]
+                m[key] = type(v)(statistics.mean(vals)) if vals else v
+        out.append(m)
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'router':58s} {'wl':6s} {'rate':>5s} {'req':>5s} {'fail':>4s} {'TPS@SLO':>9s} {'TTFT50':>7s} "
             f"{'TTFT99':>7s} {'TPOT99':>7s} {'lostT':>6s} {'lostP':>6s} {'local':>6s} {'global':>6s} {'miss':>6s} "
@@ -570,9 +588,17 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for ax, wl in zip(axes[0], wls):
         routers = sorted({r["router"] for r in rows if r["workload"] == wl and not r["tuned"]})
         for name in routers:
-            pts = sorted((r["rate"], r["tps_slo"]) for r in rows if r["workload"] == wl and r["router"] == name)
+            mine = [r for r in rows if r["workload"] == wl and r["router"] == name]
+            runs: dict[float, list[float]] = {}
+            for r in mine:
+                runs.setdefault(r["rate"], []).append(r["tps_slo"])
+            rates = sorted(runs)
             style = "-o" if name.startswith("ours") else "--s"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, ms=4)
+            # the line through each load's mean; with repeats, every run as a faint dot
+            line, = ax.plot(rates, [statistics.mean(runs[x]) for x in rates], style, label=name, ms=4)
+            if any(len(v) > 1 for v in runs.values()):
+                ax.plot([x for x in rates for _ in runs[x]], [y for x in rates for y in runs[x]], ".",
+                        color=line.get_color(), alpha=0.35, ms=5)
         ax.set_title(f"{wl}")
         ax.set_xlabel("offered load (root sessions / s)")
         ax.set_ylabel("TPS within SLO (tokens / s)")
@@ -688,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"live_peers: --from-rows: {exc}", file=sys.stderr)
             return 2
         mode.workloads = tuple(w for w in ("trace1", "weka") if any(r.get("workload") == w for r in rows))
+        sizes = {r["instances"] for r in rows if "instances" in r}
+        if len(sizes) == 1:  # rows from before they carried it keep the mode's figure
+            mode.instances = sizes.pop()
         mode.latency_requests = 0
     if args.latency_only or args.from_rows:
         groups = []
@@ -741,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(table(rows))
+    if any(m["runs"] > 1 for m in load_means(rows)):
+        print("\neach load's mean over its runs (the figures the summary below uses):")
+        print(table(load_means(rows)))
     print()
     print("command lines:")
     printed: set[str] = set()

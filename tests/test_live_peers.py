@@ -162,11 +162,20 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
     assert live_peers.best_per_router(rows, "trace1") == {"ours:smetric": 120.0, "vllm:kv_aware": 125.0}
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    means = {(m["router"], m["rate"]): m for m in live_peers.load_means(rows)}
+    assert (means[("ours:smetric", 6.0)]["tps_slo"], means[("ours:smetric", 6.0)]["runs"]) == (120.0, 2)
+    assert means[("vllm:kv_aware", 12.0)]["runs"] == 1 and len(means) == 4
+    for r in rows:
+        r["instances"] = 8  # rows now say which cluster they ran on
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     sigterm = signal.getsignal(signal.SIGTERM)  # main() installs its own; pytest's comes back after
     try:
-        assert live_peers.main(["--quick", "--from-rows", str(path)]) == 0
-        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert live_peers.main(["--quick", "--from-rows", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+        text = capsys.readouterr().out
+        out = json.loads(text.strip().splitlines()[-1])
         assert out["ours_vs_best_peer_tps_slo"] == {"trace1": 0.96} and out["best_peer"] == "vllm:kv_aware"
+        assert out["instances"] == 8 and "each load's mean over its runs" in text
+        assert (tmp_path / "p.png").stat().st_size > 0
         (tmp_path / "bad.jsonl").write_text("not json\n")
         assert live_peers.main(["--quick", "--from-rows", str(tmp_path / "bad.jsonl")]) == 2
     finally:
