@@ -421,7 +421,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     after = engine_stats(infos)
     counters = summarize_counters(router_counters(router.metrics_url, conf.family))
 
-    def delta(key: str) -> list[int]:
+    def delta(key: str) -> list[float]:
         return [a["counters"][key] - b["counters"][key] for a, b in zip(after, before)]
 
     prompt = delta("prompt_tokens")
@@ -429,6 +429,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     glob = sum(delta("global_hit_tokens")) + sum(delta("cpu_hit_tokens"))
     total = max(1, sum(prompt))
     n_ok = max(1, res["requests"] - res["failed"])
+    steps = max(1, sum(delta("steps")))
     return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
             "workload": wl_name, "rate": rate, "instances": mode.instances, "requests": res["requests"],
             "failed": res["failed"],
@@ -438,6 +439,9 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "local_share": gpu / total, "global_share": glob / total, "miss_share": 1 - (gpu + glob) / total,
             "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
             "per_instance_requests": delta("requests_ok"),
+            # the mock engines' own timekeeping: how late their steps ended, in wall time (a share of
+            # late steps near 0 says the machine kept the modelled cluster's pace)
+            "step_lag_ms": 1e3 * sum(delta("step_lag_sum_s")) / steps, "late_steps": sum(delta("steps_late")) / steps,
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
             "session_headers": list(conf.headers)}
@@ -566,14 +570,15 @@ def load_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'router':58s} {'wl':6s} {'rate':>5s} {'req':>5s} {'fail':>4s} {'TPS@SLO':>9s} {'TTFT50':>7s} "
             f"{'TTFT99':>7s} {'TPOT99':>7s} {'lostT':>6s} {'lostP':>6s} {'local':>6s} {'global':>6s} {'miss':>6s} "
-            f"{'imbal':>6s} {'cpu/1k':>8s}")
+            f"{'imbal':>6s} {'cpu/1k':>8s} {'late':>6s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['router'][:58]:58s} {r['workload']:6s} {r['rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
                      f"{r['tps_slo']:9.0f} {r['ttft_p50'] or 0:7.2f} {r['ttft_p99'] or 0:7.2f} "
                      f"{1e3 * (r.get('tpot_p99') or 0):7.1f} {r.get('lost_ttft') or 0:6.1%} {r.get('lost_tpot') or 0:6.1%} "
                      f"{r['local_share']:6.1%} {r['global_share']:6.1%} {r['miss_share']:6.1%} "
-                     f"{r['imbalance']:6.2f} {r['router_cpu_ms_per_1k']:8.0f}")
+                     f"{r['imbalance']:6.2f} {r['router_cpu_ms_per_1k']:8.0f} "
+                     f"{'' if r.get('late_steps') is None else format(r['late_steps'], '.1%'):>6s}")
     return "\n".join(lines)
 
 

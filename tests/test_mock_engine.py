@@ -251,3 +251,17 @@ def test_engine_killed_mid_stream_gives_the_client_a_clean_error(tmp_path: Path)
     assert rec.error, "the failure must say why"
     # aiohttp's word for a chunked stream cut short; the record keeps it for the operator.
     assert rec.error.startswith("ClientPayloadError"), rec.error
+
+
+async def test_steps_that_end_late_in_wall_time_are_counted() -> None:
+    """A blocked event loop (the machine short of CPU) makes engine steps end after their modelled
+    end: the engine counts how late, so a bench can tell a slow router from a slow machine."""
+    async with running_mocks(options(speed=1.0)) as mocks, aiohttp.ClientSession() as http:
+        info, core = mocks[0]
+        busy = asyncio.create_task(_complete(http, info.http_url, {"prompt": [7] * 64, "max_tokens": 200}))
+        await wait_for(lambda: core.counters.steps > 2, what="decoding steps")
+        time.sleep(0.08)  # the loop is held: the step due meanwhile ends late
+        await busy
+        c = core.counters
+        assert c.step_lag_max_s >= 0.05 and c.steps_late >= 1
+        assert c.step_lag_sum_s >= c.step_lag_max_s and c.steps_late < c.steps

@@ -60,6 +60,11 @@ class Handle:
     finished: bool = False
 
 
+# A step ending this much (wall seconds) after its modelled end counts as late: a tenth of the
+# 30 ms TPOT SLO, above the event loop's own timer jitter.
+LATE_S = 0.003
+
+
 @dataclass
 class EngineCounters:
     prompt_tokens: int = 0
@@ -73,6 +78,11 @@ class EngineCounters:
     itl_sum_s: float = 0.0
     itl_count: int = 0
     steps: int = 0
+    # how late engine steps ended in wall time, past their modelled end: a busy event loop (the
+    # machine short of CPU) delivers tokens late, which clients measure as slower TTFT / TPOT
+    step_lag_sum_s: float = 0.0
+    step_lag_max_s: float = 0.0
+    steps_late: int = 0  # steps that ended more than LATE_S after their modelled end
     evicted_blocks: int = 0
     # where prompt tokens came from (the engine's own accounting, as LMCache's hit counters)
     gpu_hit_tokens: int = 0
@@ -212,8 +222,13 @@ class MockEngineCore:
     def _segment_end(self, t: float, version: int) -> None:
         if version != self.inst.version:
             return  # superseded by a cut; the model ignores it too
+        lag = max(0.0, self._now() - t) / self.speed  # wall seconds
+        c = self.counters
+        c.step_lag_sum_s += lag
+        c.step_lag_max_s = max(c.step_lag_max_s, lag)
+        c.steps_late += lag > LATE_S
         self.inst.on_segment_end(t, version)
-        self.counters.steps += 1
+        c.steps += 1
         for r in self.inst.decoding:
             self._deliver(r)
         self._flush()
