@@ -442,6 +442,9 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             # the mock engines' own timekeeping: how late their steps ended, in wall time (a share of
             # late steps near 0 says the machine kept the modelled cluster's pace)
             "step_lag_ms": 1e3 * sum(delta("step_lag_sum_s")) / steps, "late_steps": sum(delta("steps_late")) / steps,
+            # the engines' own mean time per output token (vLLM's inter-token latency), beside the
+            # client's TPOT: a gap between them is time the tokens spent between engine and client
+            "engine_itl_ms": 1e3 * sum(delta("itl_sum_s")) / max(1, sum(delta("itl_count"))),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
             "session_headers": list(conf.headers)}
