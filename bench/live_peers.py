@@ -1,6 +1,6 @@
 """Live, side by side: our router and the routers users run today, in front of the same mock cluster.
 
-    python bench/live_peers.py            # 16 instances, both workloads, 4 loads, peers tuned (not run yet)
+    python bench/live_peers.py            # 8 instances, both workloads, every configuration tuned, runs side by side
     python bench/live_peers.py --quick    # 4 instances, Trace-1, 2 loads around the knee, 8 configurations
     python bench/live_peers.py --quick --workloads weka   # the same routers on the WEKA sessions (~45 min)
     python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
@@ -40,8 +40,10 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,12 @@ class Mode:
     # The Trace-1 preset is drawn once, sized for this load (None: the top load), so that every load
     # replays sessions of the same draw; quick keeps 18, its former top load, to keep its earlier draw.
     pool_rate: float | None = None
+    # Runs of one workload at once, each on its own mock cluster and router (1: one after the
+    # other). A WEKA run waits on its longest session's ~60 turns one after the other and keeps the
+    # machine mostly idle (~17% of one core at 8 instances), so several fit side by side; every row
+    # carries the engines' late-step share, which says whether the machine still kept their pace.
+    parallel: int = 1
+    weka_parallel: int | None = None
 
     def sessions_at(self, rate: float, workload: str = "trace1") -> int:
         if workload == "weka":
@@ -156,6 +164,9 @@ class Mode:
     def max_output_of(self, workload: str) -> int | None:
         return self.weka_max_output if workload == "weka" and self.weka_max_output else self.max_output
 
+    def parallel_of(self, workload: str) -> int:
+        return self.weka_parallel if workload == "weka" and self.weka_parallel else self.parallel
+
 
 # --quick: 4 instances, engines at 0.18x the profile (slower and decode alone breaks the 30 ms TPOT
 # SLO), sessions per run = load x 2.5 s, think times short and clipped so that a run lasts 15-30 s,
@@ -168,15 +179,22 @@ class Mode:
 QUICK_ROUTERS = ("ours:smetric", "ours:smetric_ect", "ours:load_balance", "vllm:kv_aware", "vllm:sticky_least_loaded",
                  "vllm:cache_aware", "vllm:power_of_two", "sglang:cache_aware")
 MODES = {
-    # full: the quick calibration scaled to 16 instances (4x the sessions), untested
-    "full": Mode(16, ("trace1", "weka"), (4.0, 12.0, 24.0, 48.0), 8, 0.05, True, 1000, fresh_per_load=False,
-                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5,
-                 weka_loads=(8.0, 16.0, 32.0), weka_window_s=4.0, weka_context_scale=0.03),
+    # full: the quick calibration on 8 instances, at the loads where every configuration peaked in the
+    # 8-instance runs of 2026-12-07 (Trace-1: 9 to 24 sessions/s; WEKA: 6 and 10), every configuration
+    # tuned. A run keeps the machine 4-9% busy (it waits on the modelled engines' time), so runs go
+    # side by side: 6 Trace-1 runs, 8 WEKA runs at once (each its own cluster and router; every row
+    # says how late the engines' steps ended and how busy the machine was). The Trace-1 draw is the
+    # one the earlier 16-instance calibration sized (pool_rate 48), so its sessions are those runs'.
+    # --instances 16 runs it at twice the size (its knees not calibrated: pass --loads / --weka-loads).
+    "full": Mode(8, ("trace1", "weka"), (9.0, 12.0, 16.0, 24.0), 8, 0.05, True, 1000, fresh_per_load=False,
+                 speed=0.18, time_scale=0.02, max_think_s=15.0, arrival_window_s=2.5, pool_rate=48.0,
+                 weka_loads=(6.0, 10.0), weka_window_s=4.0, weka_context_scale=0.03,
+                 parallel=6, weka_parallel=8),
     "quick": Mode(4, ("trace1",), (6.0, 12.0), 4, 0.05, False, 200, fresh_per_load=False,
                   weka_sessions=2, speed=0.18, time_scale=0.02, max_think_s=15.0, routers=QUICK_ROUTERS,
                   latency_routers=("ours:smetric[process=one]",), arrival_window_s=2.5,
                   weka_loads=(2.0, 4.0, 8.0), weka_window_s=4.0, weka_context_scale=0.03, pool_rate=18.0),
-    "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False),
+    "ci": Mode(8, ("trace1",), (0.5, 2.0), 2, 0.03, False, 0, fresh_per_load=False, parallel=2),
 }
 
 # The mock engines: the simulator's default profile, KV capacity cut so prefixes get evicted at
@@ -212,8 +230,14 @@ def _cpu_s(pids: Sequence[int]) -> float:
 
 def _cpu_ticks() -> tuple[float, float]:
     """The machine's (steal, total) CPU ticks so far (``/proc/stat``)."""
+    steal, total, _ = _cpu_ticks3()
+    return steal, total
+
+
+def _cpu_ticks3() -> tuple[float, float, float]:
+    """The machine's (steal, total, idle + iowait) CPU ticks so far (``/proc/stat``)."""
     f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return float(f[7]), sum(float(x) for x in f)
+    return float(f[7]), sum(float(x) for x in f), float(f[3]) + float(f[4])
 
 
 class Router:
@@ -376,24 +400,39 @@ def summarize_counters(c: dict[str, float]) -> dict[str, float]:
     return agg
 
 
+_START_LOCK = threading.Lock()
+_LIVE: set[Any] = set()  # the routers and mock processes of the runs going on (each has stop())
+
+
+def stop_live() -> None:
+    """Stop every run's router and mock cluster still up (a parallel sweep stopped early)."""
+    for part in list(_LIVE):
+        part.stop()
+
+
 def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[float], mode: Mode,
               root: Path) -> list[dict[str, Any]]:
     """A fresh mock cluster and ``conf`` in front of it; the workload replayed at each of ``rates`` in
     turn (one rate per cluster unless the mode says otherwise)."""
     work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    started = start_mock_engines(mode.instances, work, processes=1, extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
+    with _START_LOCK:  # one cluster starting at a time: a port picked free stays free until bound
+        started = start_mock_engines(mode.instances, work, processes=1,
+                                     extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
     infos = [i for i, _ in started]
     groups = list({id(g): g for _, g in started}.values())
     router = Router(conf, infos, work)
     rows: list[dict[str, Any]] = []
+    _LIVE.update((router, *groups))
     try:
-        router.start()
+        with _START_LOCK:
+            router.start()
         for rate in rates:
             rows.append(_measure(router, infos, conf, wl_name, wl, rate, mode))
     finally:
         router.stop()
         for g in groups:
             g.stop()
+        _LIVE.difference_update((router, *groups))
         shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -401,7 +440,7 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
 def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_name: str, wl: Workload,
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
-    cpu0, ticks0, t0 = router.cpu_s(), _cpu_ticks(), time.monotonic()
+    cpu0, ticks0, t0, start_epoch = router.cpu_s(), _cpu_ticks3(), time.monotonic(), time.time()
     sessions = mode.sessions_at(rate, wl_name)
     scale = mode.context_scale_of(wl_name)
     cfg = ReplayConfig(url=router.url, rate=rate, sessions=sessions, context_scale=scale,
@@ -415,8 +454,10 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     records = replay(wl, cfg)
     wall = time.monotonic() - t0
     cpu = router.cpu_s() - cpu0
-    ticks = _cpu_ticks()
+    ticks = _cpu_ticks3()
     steal = (ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])  # the machine's steal share in the run
+    # the share of the machine's CPUs busy over the run (every process, the runs beside it included)
+    busy = 1.0 - (ticks[2] - ticks0[2] + ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])
     res = summarize_records(records, load_sim_config(None), conf.name).summary
     after = engine_stats(infos)
     counters = summarize_counters(router_counters(router.metrics_url, conf.family))
@@ -446,6 +487,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             # client's TPOT: a gap between them is time the tokens spent between engine and client
             "engine_itl_ms": 1e3 * sum(delta("itl_sum_s")) / max(1, sum(delta("itl_count"))),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
+            "started": start_epoch, "machine_busy": busy,
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
             "session_headers": list(conf.headers)}
 
@@ -656,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sessions per run = load x this many seconds (at least --sessions)")
     ap.add_argument("--plot", type=Path, help="write the TPS-vs-load plot here (PNG)")
     ap.add_argument("--rows", type=Path, help="write every run's row here (JSON lines)")
+    ap.add_argument("--parallel", type=int, help="runs at once, each on its own cluster and router "
+                                                 "(default: the mode's; WEKA's wait mostly on think and decode time)")
     ap.add_argument("--repeats", type=int, default=1, help="run every configuration's sweep this many times "
                                                            "(each load's figure: the mean of its runs)")
     ap.add_argument("--from-rows", type=Path, nargs="+", metavar="ROWS",
@@ -686,6 +730,12 @@ def main(argv: list[str] | None = None) -> int:
         mode.time_scale = args.time_scale
     if args.max_think:
         mode.max_think_s = args.max_think
+    if args.parallel:
+        if args.parallel < 1:
+            print("live_peers: --parallel takes a count >= 1", file=sys.stderr)
+            return 2
+        mode.parallel = args.parallel
+        mode.weka_parallel = None
     if args.arrival_window:
         mode.arrival_window_s = args.arrival_window
     # The workload pool is sized by the mode's own loads, so --loads picks its sessions from the same
@@ -738,20 +788,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
           f"{', '.join(mode.workloads)}, loads (root sessions/s) {loads}: {total} runs", flush=True)
     t0 = time.monotonic()
-    try:
-        k = 0
-        for conf, wl, rates in groups:
-            try:
-                got = run_group(conf, wl, wls[wl], rates, mode, root)
-            except (RuntimeError, OSError) as exc:
-                print(f"{conf.name} {wl}: FAILED: {exc}", flush=True)
-                got = [{"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
-                        "workload": wl, "rate": r, "requests": 0, "failed": -1, "tps_slo": 0.0, "ttft_p50": None,
-                        "ttft_p99": None, "local_share": 0.0, "global_share": 0.0, "miss_share": 1.0,
-                        "imbalance": 0.0, "router_cpu_ms_per_1k": 0.0, "counters": {}, "argv": [],
-                        "error": str(exc)} for r in rates]
+    done_lock = threading.Lock()
+    k = 0
+
+    def run_one(group: tuple[RouterConf, str, tuple[float, ...]]) -> None:
+        nonlocal k
+        conf, wl, rates = group
+        try:
+            got = run_group(conf, wl, wls[wl], rates, mode, root)
+        except (RuntimeError, OSError) as exc:
+            print(f"{conf.name} {wl}: FAILED: {exc}", flush=True)
+            got = [{"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
+                    "workload": wl, "rate": r, "requests": 0, "failed": -1, "tps_slo": 0.0, "ttft_p50": None,
+                    "ttft_p99": None, "local_share": 0.0, "global_share": 0.0, "miss_share": 1.0,
+                    "imbalance": 0.0, "router_cpu_ms_per_1k": 0.0, "counters": {}, "argv": [],
+                    "error": str(exc)} for r in rates]
+        with done_lock:
             for row in got:
                 k += 1
+                row["parallel"] = mode.parallel_of(wl)
                 rows.append(row)
                 if args.rows:
                     with args.rows.open("a") as f:
@@ -759,8 +814,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{k}/{total}] {conf.name} {wl} @ {row['rate']}/s: TPS@SLO {row['tps_slo']:.0f}, "
                       f"{row['requests']} req ({row['failed']} failed), local {row['local_share']:.0%} "
                       f"global {row['global_share']:.0%}, imbalance {row['imbalance']:.2f}, "
+                      f"late steps {row.get('late_steps', 0.0):.1%}, machine busy {row.get('machine_busy', 0.0):.0%}, "
                       f"per instance {row.get('per_instance_requests')}; router says {row['counters']}  "
                       f"[{time.monotonic() - t0:.0f} s]", flush=True)
+
+    try:
+        for wl in mode.workloads:
+            mine = [g for g in groups if g[1] == wl]
+            if mode.parallel_of(wl) <= 1:
+                for g in mine:
+                    run_one(g)
+            else:  # each run's processes start from, and die with, the pool thread that runs it
+                pool = ThreadPoolExecutor(mode.parallel_of(wl), thread_name_prefix=f"run-{wl}")
+                try:
+                    list(pool.map(run_one, mine))
+                finally:
+                    # stopped early (SIGTERM, Ctrl-C): no run starts, and the running ones lose
+                    # their clusters, so their replays fail at once instead of running to the end
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    stop_live()
         lat: dict[str, dict[str, float]] = {}
         for conf in lat_confs:
             k += 1
@@ -802,7 +874,8 @@ def main(argv: list[str] | None = None) -> int:
         pb = max(peers, key=lambda k: peers[k])
         ours_best, best_peer = ob, pb
         ratio[wl] = ours[ob] / peers[pb] if peers[pb] > 0 else float("inf")
-        sm = ours.get("ours:smetric", 0.0)
+        # the paper's rule in whichever process layout ran (ours:smetric, ours:smetric[process=one])
+        sm = max((v for k, v in ours.items() if k == "ours:smetric" or k.startswith("ours:smetric[")), default=0.0)
         sm_ratio[wl] = sm / peers[pb] if peers[pb] > 0 else float("inf")
         print(f"{wl}: ours best {ob} {ours[ob]:.0f} tok/s vs best peer {pb} {peers[pb]:.0f} tok/s -> "
               f"{ratio[wl]:.3f}x (smetric {sm_ratio[wl]:.3f}x)")

@@ -58,6 +58,10 @@ def test_every_router_routes_the_mock_cluster(tmp_path: Path) -> None:
     kv_hits = max(r["counters"].get('vllm_router_kv_placement_lookups_total{result="hit"}', 0.0)
                   for r in rows if r["router"] == "vllm:kv_aware")
     assert kv_hits > 0, [r["counters"] for r in rows if r["router"] == "vllm:kv_aware"]
+    # The CI mode runs two configurations at once, each on its own cluster: some runs overlapped in time.
+    spans = sorted((r["started"], r["started"] + r["wall_s"]) for r in rows)
+    assert all(r["parallel"] == 2 for r in rows)
+    assert any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
     # Round robin spreads requests evenly: the per-instance counts come from the engines themselves.
     by = {(r["router"], r["rate"]): r for r in rows}
     rr = by[("vllm:round_robin", 0.5)]["per_instance_requests"]
@@ -139,6 +143,9 @@ def test_weka_runs_its_own_loads_context_scale_and_session_count() -> None:
     bare = live_peers.Mode(4, ("trace1", "weka"), (1.0, 2.0), 3, 0.05, False, 0, weka_sessions=2)
     assert bare.loads_of("weka") == (1.0, 2.0) and bare.sessions_at(9.0, "weka") == 2
     assert bare.context_scale_of("weka") == 0.05 and bare.max_output_of("weka") is None
+    assert bare.parallel_of("weka") == bare.parallel_of("trace1") == 1
+    bare.weka_parallel = 4
+    assert bare.parallel_of("weka") == 4 and bare.parallel_of("trace1") == 1
 
 
 def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: Path,
