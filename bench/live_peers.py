@@ -637,6 +637,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(wls), figsize=(6.5 * len(wls), 4.5), squeeze=False)
     for ax, wl in zip(axes[0], wls):
         routers = sorted({r["router"] for r in rows if r["workload"] == wl and not r["tuned"]})
+        # and the best tuned peer configuration, where one ran (it may be the best peer of all)
+        best = best_per_router(rows, wl)
+        tuned = {r["router"] for r in rows if r["workload"] == wl and r["tuned"]}
+        if tuned:
+            routers.append(max(tuned, key=lambda k: best.get(k, 0.0)))
+        if len(routers) > 10:  # more lines than the default cycle has colours
+            ax.set_prop_cycle(color=[*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors])
         for name in routers:
             mine = [r for r in rows if r["workload"] == wl and r["router"] == name]
             runs: dict[float, list[float]] = {}
@@ -653,7 +660,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("offered load (root sessions / s)")
         ax.set_ylabel("TPS within SLO (tokens / s)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="best", framealpha=0.6)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
