@@ -5,6 +5,7 @@
     python bench/live_peers.py --quick --workloads weka   # the same routers on the WEKA sessions (~45 min)
     python bench/live_peers.py --quick --tuned-only   # the peers' tuning sweep at the quick settings
     python bench/live_peers.py --ci       # 8 instances, Trace-1 only, 2 loads, short (the CI test)
+    python bench/live_peers.py --quick --parallel 4   # any mode, K runs at once (each its own cluster)
 
 Router configurations: ours through our controller + gateway (``smetric``, ``smetric_ect``,
 ``load_balance``), vLLM's router ``vllm-router`` 0.1.17 (``kv_aware`` fed by the engines' KV events,
