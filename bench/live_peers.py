@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         mode.time_scale = args.time_scale
     if args.max_think:
         mode.max_think_s = args.max_think
-    if args.parallel:
+    if args.parallel is not None:
         if args.parallel < 1:
             print("live_peers: --parallel takes a count >= 1", file=sys.stderr)
             return 2

@@ -187,3 +187,14 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
         assert live_peers.main(["--quick", "--from-rows", str(tmp_path / "bad.jsonl")]) == 2
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def test_a_parallel_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--parallel 0 is an error, not the mode's default (a falsy count once ran the whole sweep)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    assert live_peers.main(["--quick", "--parallel", "0"]) == 2
+    assert "--parallel takes a count >= 1" in capsys.readouterr().err
