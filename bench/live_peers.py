@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -403,34 +404,59 @@ def summarize_counters(c: dict[str, float]) -> dict[str, float]:
 
 _START_LOCK = threading.Lock()
 _LIVE: set[Any] = set()  # the routers and mock processes of the runs going on (each has stop())
+_STOPPED = threading.Event()  # set by stop_live: no run starts, and one starting stops itself
+
+
+class SweepStopped(RuntimeError):
+    pass
 
 
 def stop_live() -> None:
-    """Stop every run's router and mock cluster still up (a parallel sweep stopped early)."""
+    """Stop every run's router and mock cluster still up (a parallel sweep stopped early), and every
+    run still starting: it finds the flag set once it has registered what it started."""
+    _STOPPED.set()
     for part in list(_LIVE):
         part.stop()
+
+
+def _register(*parts: Any) -> None:
+    """Count ``parts`` among the live ones; if the sweep was stopped meanwhile, stop them now (the flag
+    is set before stop_live looks at _LIVE, so a part registered after that look sees it)."""
+    _LIVE.update(parts)
+    if _STOPPED.is_set():
+        for part in parts:
+            part.stop()
+        raise SweepStopped("the sweep was stopped")
 
 
 def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[float], mode: Mode,
               root: Path) -> list[dict[str, Any]]:
     """A fresh mock cluster and ``conf`` in front of it; the workload replayed at each of ``rates`` in
     turn (one rate per cluster unless the mode says otherwise)."""
+    if _STOPPED.is_set():
+        raise SweepStopped("the sweep was stopped")
     work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-    with _START_LOCK:  # one cluster starting at a time: a port picked free stays free until bound
-        started = start_mock_engines(mode.instances, work, processes=1,
-                                     extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
-    infos = [i for i, _ in started]
-    groups = list({id(g): g for _, g in started}.values())
-    router = Router(conf, infos, work)
+    groups: list[Any] = []
+    router: Router | None = None
     rows: list[dict[str, Any]] = []
-    _LIVE.update((router, *groups))
     try:
-        with _START_LOCK:
+        with _START_LOCK:  # one cluster starting at a time: a port picked free stays free until bound
+            started = start_mock_engines(mode.instances, work, processes=1,
+                                         extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
+            groups = list({id(g): g for _, g in started}.values())
+            _register(*groups)
+            infos = [i for i, _ in started]
+            router = Router(conf, infos, work)
+            _register(router)  # before it starts: a stop meanwhile stops what it has started so far
             router.start()
+            _register(router)  # and a stop during its start stops the rest
         for rate in rates:
+            if _STOPPED.is_set():
+                raise SweepStopped("the sweep was stopped")
             rows.append(_measure(router, infos, conf, wl_name, wl, rate, mode))
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         for g in groups:
             g.stop()
         _LIVE.difference_update((router, *groups))
@@ -679,6 +705,16 @@ def _loads(text: str) -> tuple[float, ...]:
     return loads
 
 
+def router_names(text: str) -> list[str]:
+    """``--routers``' comma-separated names; a tuned configuration's own parameters are
+    comma-separated inside its brackets (``vllm:cache_aware[cache-threshold=0.1,balance-abs-threshold=4]``)."""
+    names: list[str] = []
+    for part in re.split(r",(?![^\[]*\])", text):
+        if part.strip():
+            names.append(part.strip())
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
@@ -744,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         mode.parallel = args.parallel
         mode.weka_parallel = None
+    if args.repeats < 1:
+        print("live_peers: --repeats takes a count >= 1", file=sys.stderr)
+        return 2
     if args.arrival_window:
         mode.arrival_window_s = args.arrival_window
     # The workload pool is sized by the mode's own loads, so --loads picks its sessions from the same
@@ -761,17 +800,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tuned_only:
         confs = [c for c in confs if c.tuned]
     if args.routers:
-        want = set(args.routers.split(","))
-        confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
-        if not confs:
-            print(f"live_peers: no router configuration matches {args.routers!r}", file=sys.stderr)
+        want = set(router_names(args.routers))
+        # a tuned configuration's name only exists with --tune: say so rather than run without it
+        unknown = sorted(want - {n for c in confs for n in (c.name, f"{c.family}:{c.policy}")})
+        if unknown:
+            print(f"live_peers: --routers: no configuration named {', '.join(unknown)} in this run "
+                  f"({'' if mode.tune else 'tuned ones need --tune; '}known: "
+                  f"{', '.join(c.name for c in confs)})", file=sys.stderr)
             return 2
+        confs = [c for c in confs if c.name in want or f"{c.family}:{c.policy}" in want]
     wls = {} if args.from_rows else load_workloads(mode.workloads, max(pool, *(mode.sessions_at(r) for r in mode.loads)))
     loads = {w: mode.loads_of(w) for w in mode.workloads}
     root = Path(tempfile.mkdtemp(prefix="live-peers-"))
     groups = [(c, w, (r,)) for w in mode.workloads for c in confs for r in loads[w]] if mode.fresh_per_load \
         else [(c, w, loads[w]) for w in mode.workloads for c in confs]
-    groups *= max(1, args.repeats)  # a repeat runs every configuration once before the next repeat
+    groups *= args.repeats  # a repeat runs every configuration once before the next repeat
     rows: list[dict[str, Any]] = []
     if args.from_rows:
         try:
@@ -796,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"live_peers: {mode.instances} instances, {len(confs)} router configurations, workloads "
           f"{', '.join(mode.workloads)}, loads (root sessions/s) {loads}: {total} runs", flush=True)
     t0 = time.monotonic()
+    _STOPPED.clear()
     done_lock = threading.Lock()
     k = 0
 
@@ -804,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
         conf, wl, rates = group
         try:
             got = run_group(conf, wl, wls[wl], rates, mode, root)
+        except SweepStopped:
+            return
         except (RuntimeError, OSError) as exc:
             print(f"{conf.name} {wl}: FAILED: {exc}", flush=True)
             got = [{"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,

@@ -189,8 +189,9 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
         signal.signal(signal.SIGTERM, sigterm)
 
 
-def test_a_parallel_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    """--parallel 0 is an error, not the mode's default (a falsy count once ran the whole sweep)."""
+def test_a_parallel_or_repeat_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--parallel 0 is an error, not the mode's default (a falsy count once ran the whole sweep);
+    so is --repeats 0, which would run nothing and report an empty table."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import live_peers
@@ -198,3 +199,61 @@ def test_a_parallel_count_below_one_is_refused(capsys: pytest.CaptureFixture[str
         sys.path.pop(0)
     assert live_peers.main(["--quick", "--parallel", "0"]) == 2
     assert "--parallel takes a count >= 1" in capsys.readouterr().err
+    assert live_peers.main(["--quick", "--repeats", "0"]) == 2
+    assert "--repeats takes a count >= 1" in capsys.readouterr().err
+
+
+def test_routers_name_tuned_configurations_and_unknown_names_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A tuned configuration's parameters are comma-separated inside its brackets: --routers keeps
+    them whole (they were split at every comma and silently matched nothing); a name that matches
+    no configuration of the run is an error, not a smaller run."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    tuned = "vllm:cache_aware[cache-threshold=0.6,balance-abs-threshold=16]"
+    assert live_peers.router_names(f"ours:smetric[process=one], {tuned},vllm:kv_aware") == [
+        "ours:smetric[process=one]", tuned, "vllm:kv_aware"]
+    assert tuned in {c.name for c in live_peers.tuning_confs()}
+    assert live_peers.main(["--quick", "--routers", f"ours:smetric,{tuned}"]) == 2
+    assert "tuned ones need --tune" in capsys.readouterr().err
+    assert live_peers.main(["--quick", "--routers", "ours:smetric,vllm:no_such_policy"]) == 2
+    assert "no configuration named vllm:no_such_policy" in capsys.readouterr().err
+
+
+def test_a_stopped_sweep_starts_nothing_and_stops_what_was_starting(tmp_path: Path) -> None:
+    """A SIGTERM during a parallel sweep's start phase once left runs going: a run that was still
+    starting its cluster registered it after the stop had looked, and ran its whole sweep. A part
+    registered after the stop is stopped at once, and no run starts after it."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+
+    class Part:
+        stopped = False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    live_peers._STOPPED.clear()
+    try:
+        early = Part()
+        live_peers._register(early)
+        assert not early.stopped
+        live_peers.stop_live()
+        assert early.stopped
+        late = Part()  # a run's cluster that came up after the stop
+        with pytest.raises(live_peers.SweepStopped):
+            live_peers._register(late)
+        assert late.stopped
+        conf = live_peers.default_confs()[0]
+        with pytest.raises(live_peers.SweepStopped):
+            live_peers.run_group(conf, "trace1", None, (1.0,), live_peers.MODES["ci"], tmp_path)  # type: ignore[arg-type]
+        assert not list(tmp_path.iterdir())  # nothing was started
+    finally:
+        live_peers._STOPPED.clear()
+        live_peers._LIVE.clear()
