@@ -88,6 +88,11 @@ def test_the_endpoints_peers_discover_and_tokenize_with() -> None:
                 assert [x["token_ids"] for x in await r.json()] == [[97, 98, 99]]
             async with s.post(f"{url}/v1/completions/render", json={"prompt": 5}) as r:
                 assert r.status == 400
+            for bad in (b"{not json", b"[1, 2]"):  # not JSON; JSON but not an object
+                for path in ("/v1/completions/render", "/tokenize", "/v1/completions"):
+                    async with s.post(url + path, data=bad, headers={"Content-Type": "application/json"}) as r:
+                        assert r.status == 400, (path, bad)
+                        assert (await r.json())["object"] == "error"
             for path in ("/server_info", "/get_server_info"):
                 async with s.get(url + path) as r:
                     info = await r.json()
