@@ -73,8 +73,9 @@ def _chat_ids(body: dict[str, Any]) -> list[int]:
 async def _json_body(request: web.Request) -> Any:
     """The request's JSON body, decoded with msgspec: the prompt-carrying endpoints run on the
     event loop that times the modelled steps, where the standard library's decoder and encoder
-    cost ~6x as much (a vLLM router renders each prompt several times: those calls would land on
-    the modelled GPU's clock, where in vLLM they run in the API server's process)."""
+    cost ~6x as much (vLLM's router renders each prompt on every worker, and all the instances of
+    a mock process share its loop: those calls would land on the modelled GPUs' clock, where in
+    vLLM they run in each API server's process)."""
     return msgspec.json.decode(await request.read())
 
 
