@@ -178,14 +178,14 @@ class RobustRLS:
         sig = min(self.noise, cfg.noise0)  # capped: a fit far off at first still learns
         gain = Px / (xs @ Px + sig * sig / w)
         self.t = self.t + gain * r
-        P = (self.P - np.outer(gain, Px)) / self._forget
+        P = (self.P - gain[:, None] * Px) / self._forget  # np.outer's products, without its wrapper
         P = 0.5 * (P + P.T)
         # cap at the prior's relative uncertainty, of the prior or of the estimate whichever is larger
         # (no wind-up along directions the data does not excite; a price 40x its prior is not held to
         # the prior's absolute width); scaling rows and columns keeps P symmetric PSD
         cap = self._cap * np.maximum(1.0, self.t * self.t)
-        sc = np.minimum(1.0, np.sqrt(cap / np.maximum(np.diag(P), 1e-30)))
-        self.P = P * np.outer(sc, sc)
+        sc = np.minimum(1.0, np.sqrt(cap / np.maximum(P.diagonal(), 1e-30)))
+        self.P = P * (sc[:, None] * sc)
         # robust noise scale: an outlier moves it by at most its clipped size
         clipped = min(abs(r), 3.0 * self.noise)
         self.noise += cfg.noise_rate * (clipped * 1.2533 - self.noise)
@@ -200,7 +200,7 @@ class RobustRLS:
         self.err = other.err
 
     def rel_std(self) -> np.ndarray:
-        return np.sqrt(np.maximum(np.diag(self.P), 0.0)) / np.maximum(np.abs(self.t), 1e-9)
+        return np.sqrt(np.maximum(self.P.diagonal(), 0.0)) / np.maximum(np.abs(self.t), 1e-9)
 
 
 class TwoRateRLS:
@@ -283,14 +283,21 @@ def _nonneg(v: float) -> float:
 
 
 class InstanceEstimator:
-    __slots__ = ("ttft", "tpot", "mean_output", "_cache")
+    __slots__ = ("ttft", "tpot", "mean_output", "version", "_cache", "_vals", "_rel")
 
     def __init__(self, cfg: EstimatorConfig) -> None:
         pr = {**DEFAULT_PRIORS, **cfg.priors}
         self.ttft = TwoRateRLS([pr[k] for k in TTFT_PRICES], cfg)
         self.tpot = TwoRateRLS([pr[k] for k in TPOT_PRICES], cfg)
         self.mean_output = 0.0
+        self.version = 0  # bumped by every observation: what a cached derivative was computed from
         self._cache: InstancePrices | None = None
+        self._vals: tuple[float, ...] | None = None
+        self._rel: tuple[float, ...] | None = None
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._cache = self._vals = self._rel = None
 
     def observe(self, o: Observation, ref: InstanceEstimator | None = None) -> None:
         """Learn from one done report; ``ref`` (the cluster's estimator, before it learns from the same
@@ -303,25 +310,32 @@ class InstanceEstimator:
             self.mean_output = float(o.output_tokens) if m == 0 else m + 0.02 * (o.output_tokens - m)
         if o.e2e_s is not None and o.output_tokens > 1 and math.isfinite(o.e2e_s) and o.e2e_s > o.ttft_s:
             self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight, ref)
-        self._cache = None
+        self._changed()
 
     def observe_tpot(self, tpot_s: float, running: float, ref: InstanceEstimator | None = None) -> None:
         """A time per output token at a batch of ``running`` requests (a done report or /metrics)."""
         if tpot_s > 0 and math.isfinite(tpot_s) and running >= 0:
             self.tpot.update(np.array([1.0, running]), tpot_s * 1e6, ref.tpot.slow if ref is not None else None)
-            self._cache = None
+            self._changed()
 
     def prices(self) -> InstancePrices:
-        # Negative fits (a price the data cannot separate from noise yet) count as free, never as a gain.
         if self._cache is None:
-            vals = [_nonneg(float(v)) for v in (*self.ttft.slow.theta, *self.tpot.slow.theta)]
-            self._cache = InstancePrices(*vals, observations=self.ttft.slow.n, mean_output=self.mean_output,
+            self._cache = InstancePrices(*self.values(), observations=self.ttft.slow.n, mean_output=self.mean_output,
                                          ttft_rel_noise=self.ttft.slow.noise if self.ttft.slow.n else 0.0)
         return self._cache
 
-    def rel_std_vector(self) -> np.ndarray:
+    def values(self) -> tuple[float, ...]:
+        """The prices in PRICE_NAMES order. Negative fits (a price the data cannot separate from noise
+        yet) count as free, never as a gain."""
+        if self._vals is None:
+            self._vals = tuple(_nonneg(float(v)) for v in (*self.ttft.slow.theta, *self.tpot.slow.theta))
+        return self._vals
+
+    def rel_std_vector(self) -> tuple[float, ...]:
         """Each price's relative standard error, in PRICE_NAMES order."""
-        return np.concatenate([self.ttft.rel_std(), self.tpot.rel_std()])
+        if self._rel is None:
+            self._rel = tuple(float(v) for v in np.concatenate([self.ttft.rel_std(), self.tpot.rel_std()]))
+        return self._rel
 
     def confidence(self) -> dict[str, float]:
         rs = self.rel_std_vector()
@@ -336,6 +350,9 @@ class PriceBook:
         self._by: dict[str, InstanceEstimator] = {}
         self.pooled = InstanceEstimator(self.cfg)
         self._prior = InstanceEstimator(self.cfg).prices()
+        # instance -> (its estimator's version, the pooled one's, the decision prices they gave): a
+        # decision prices every candidate, and most of them learned nothing since the last one
+        self._decided: dict[str, tuple[int, int, InstancePrices]] = {}
 
     def observe(self, instance_id: str, o: Observation) -> None:
         est = self._by.get(instance_id)
@@ -367,21 +384,26 @@ class PriceBook:
             return self.pooled.prices()
         if self.cfg.shrink_z <= 0:
             return est.prices()
-        own, pool = est.prices(), self.pooled.prices()
-        rs_own, rs_pool = est.rel_std_vector(), self.pooled.rel_std_vector()
+        pooled = self.pooled
+        hit = self._decided.get(instance_id)
+        if hit is not None and hit[0] == est.version and hit[1] == pooled.version:
+            return hit[2]
+        own, pool = est.prices(), pooled.prices()
         z2 = self.cfg.shrink_z**2
         vals = []
-        for k, name in enumerate(PRICE_NAMES):
-            a, b = getattr(own, name), getattr(pool, name)
+        for a, b, ra, rb in zip(est.values(), pooled.values(), est.rel_std_vector(), pooled.rel_std_vector()):
             d2 = (a - b) ** 2
-            se2 = (rs_own[k] * a) ** 2 + (rs_pool[k] * b) ** 2
+            se2 = (ra * a) ** 2 + (rb * b) ** 2
             w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 else 0.0
-            vals.append(float(b + w * (a - b)))
-        return InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
-                              ttft_rel_noise=pool.ttft_rel_noise)
+            vals.append(b + w * (a - b))
+        out = InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
+                             ttft_rel_noise=pool.ttft_rel_noise)
+        self._decided[instance_id] = (est.version, pooled.version, out)
+        return out
 
     def forget_instance(self, instance_id: str) -> None:
         self._by.pop(instance_id, None)
+        self._decided.pop(instance_id, None)
 
     def instances(self) -> list[str]:
         return list(self._by)

@@ -256,3 +256,29 @@ async def test_the_poller_feeds_a_mock_engines_tpot_to_the_price_book() -> None:
             await poller.close()
     assert len(seen) == 1 and seen[0][0] == "m0" and seen[0][1] > 0
     assert book.instances() == ["m0"] and book.pooled.tpot.slow.n == 1
+
+
+def test_decision_prices_are_reused_until_the_instance_or_the_cluster_learns_something() -> None:
+    """A decision prices every candidate; between two done reports most of them are unchanged, so the
+    book keeps each instance's decision prices until its own fit or the cluster's learns. What it
+    returns is always what a book computing afresh returns."""
+    rng = np.random.default_rng(11)
+    obs = synthetic(rng, 300, TRUE)
+    book, fresh = PriceBook(), PriceBook()
+    ids = ["a", "b", "c"]
+    for k, o in enumerate(obs):
+        for b in (book, fresh):
+            b.observe(ids[k % 3], o)
+        if k % 7 == 0:
+            fresh._decided.clear()  # a book with nothing kept
+            for i in ids:
+                assert book.decision_prices(i) == fresh.decision_prices(i)
+    first = book.decision_prices("a")
+    assert book.decision_prices("a") is first  # kept: nothing learned since
+    book.observe("b", obs[0])  # the cluster learns: every instance's decision price may move
+    assert book.decision_prices("a") is not first
+    kept = book.decision_prices("a")
+    book.observe_tpot("a", 0.03, 4)  # a's own decode fit learns (from /metrics)
+    assert book.decision_prices("a") is not kept
+    book.forget_instance("a")
+    assert book.decision_prices("a") == book.pooled.prices()
