@@ -21,9 +21,10 @@ Per run: TPS within SLO, TTFT p50/p99, where prompt tokens came from (the engine
 GPU prefix cache, global tier, computed), load imbalance (max / mean prompt tokens per instance),
 the router's CPU seconds per 1,000 requests (``/proc`` of its processes) and what the router itself
 says it did (its Prometheus counters), so no configuration can silently fall back to round robin.
-Added latency: the same small request to instant engines (``--speed 1000``), straight to an engine
-and through the router, back to back in pairs; the router's share is the percentiles of the
-per-pair differences, reported with the machine's steal share and run queue over the same seconds.
+Added latency: the same small request to instant engines (``--speed 1000``), straight to an engine,
+through the router and straight again, back to back; the router's share is the percentiles of the
+per-triple differences (through minus straight), reported with the probe's own noise (the two
+straight requests' difference) and the machine's steal share and run queue over the same seconds.
 
 Ends with ONE JSON line: ``{"instances", "workloads", "ours_best", "best_peer",
 "ours_vs_best_peer_tps_slo", "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k",
@@ -519,11 +520,12 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "session_headers": list(conf.headers)}
 
 
-async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float]]:
-    """``n`` pairs of the same small completion at ``rate`` pairs per second, one straight to an
-    engine and one through the router, back to back (which goes first alternates, so neither gets
-    the other's warm caches for free); each pair's two latencies in ms."""
-    pairs: list[tuple[float, float]] = []
+async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float, float]]:
+    """``n`` triples of the same small completion at ``rate`` triples per second: one straight to an
+    engine, one through the router and one straight again, back to back (the order rotates, so no leg
+    gets the others' warm caches for free); each triple's three latencies in ms. The second straight
+    request measures the probe's own noise: the spread of two identical requests a moment apart."""
+    out: list[tuple[float, float, float]] = []
     body = {"model": "tiny", "prompt": "".join(map(chr, range(32, 96))), "max_tokens": 1}
     async with aiohttp.ClientSession() as s:
         async def one(url: str) -> float | None:
@@ -534,14 +536,16 @@ async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[flo
 
         for k in range(n):
             t = time.perf_counter()
-            if k % 2:
-                v, d = await one(via), await one(direct)
+            if k % 3 == 0:
+                d, v, d2 = await one(direct), await one(via), await one(direct)
+            elif k % 3 == 1:
+                v, d2, d = await one(via), await one(direct), await one(direct)
             else:
-                d, v = await one(direct), await one(via)
-            if d is not None and v is not None:
-                pairs.append((d, v))
+                d2, d, v = await one(direct), await one(direct), await one(via)
+            if d is not None and v is not None and d2 is not None:
+                out.append((d, v, d2))
             await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
-    return pairs
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -557,12 +561,16 @@ def _contention() -> tuple[float, float, float]:
     return steal, total, running
 
 
-def latency_summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
-    """Percentiles of the per-pair differences (through the router minus straight): the router's
-    own time, with the machine's noise common to both requests of a pair cancelled."""
-    diffs = [v - d for d, v in pairs]
-    return {"pairs": len(pairs), "p50_ms": _pct(diffs, 50), "p90_ms": _pct(diffs, 90), "p99_ms": _pct(diffs, 99),
-            "direct_p50_ms": _pct([d for d, _ in pairs], 50), "via_p50_ms": _pct([v for _, v in pairs], 50)}
+def latency_summary(triples: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+    """Percentiles of the per-triple differences (through the router minus straight): the router's
+    own time, with the machine's noise common to the requests of a triple cancelled. ``noise_*``: the
+    same percentiles of the two straight requests' difference, the probe's floor (what the machine
+    adds to a difference when the router adds nothing)."""
+    diffs = [v - d for d, v, _ in triples]
+    floor = [d2 - d for d, _, d2 in triples]
+    return {"pairs": len(triples), "p50_ms": _pct(diffs, 50), "p90_ms": _pct(diffs, 90), "p99_ms": _pct(diffs, 99),
+            "noise_p50_ms": _pct(floor, 50), "noise_p99_ms": _pct(floor, 99),
+            "direct_p50_ms": _pct([d for d, _, _ in triples], 50), "via_p50_ms": _pct([v for _, v, _ in triples], 50)}
 
 
 def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
@@ -577,14 +585,14 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
         router.start()
         asyncio.run(_latency(infos[0].http_url, router.url, 30, 100))  # warm-up (connections, caches)
         c0 = _contention()
-        pairs = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
+        triples = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
         c1 = _contention()
     finally:
         router.stop()
         for g in groups:
             g.stop()
         shutil.rmtree(work, ignore_errors=True)
-    out = latency_summary(pairs)
+    out = latency_summary(triples)
     out["steal"] = (c1[0] - c0[0]) / max(1.0, c1[1] - c0[1])
     out["runnable"] = (c0[2] + c1[2]) / 2  # tasks wanting a CPU, at the start and end of the phase
     out["loadavg1"] = os.getloadavg()[0]
@@ -723,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, help="override the mode's cluster size (e.g. 32)")
     ap.add_argument("--latency-only", action="store_true", help="only the added-latency phase")
     ap.add_argument("--no-latency", action="store_true", help="skip the added-latency phase")
-    ap.add_argument("--latency-pairs", type=int, help="request pairs per router in the added-latency phase")
+    ap.add_argument("--latency-pairs", type=int, help="routed and straight request pairs per router in the added-latency phase (each with a second straight request, the noise floor)")
     ap.add_argument("--gateway-tokenize", choices=("local", "engine"), default="local",
                     help="our gateway tokenizes with the mock's tokenizer directory (--tokenizer, as in front of "
                          "vLLM) or with an engine's /tokenize (a round trip per request)")
@@ -898,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
             a = lat[conf.name]
             print(f"[{k}/{total}] added latency {conf.name}: p50 {a['p50_ms']:.2f} ms, p90 {a['p90_ms']:.2f} ms, "
                   f"p99 {a['p99_ms']:.2f} ms over {a['pairs']:.0f} pairs (straight p50 {a['direct_p50_ms']:.2f} ms; "
+                  f"the probe's own noise, straight minus straight: p50 {a['noise_p50_ms']:.2f}, "
+                  f"p99 {a['noise_p99_ms']:.2f} ms; "
                   f"steal {a['steal']:.1%}, runnable {a['runnable']:.0f}, load {a['loadavg1']:.1f} on "
                   f"{os.cpu_count()} CPUs)", flush=True)
     finally:
@@ -948,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
                       "router_cpu_ms_per_1k": cpu_ms,
                       "router_added_latency_p99_ms": {k: round(v["p99_ms"], 2) for k, v in lat.items()},
                       "router_added_latency_p50_ms": {k: round(v["p50_ms"], 2) for k, v in lat.items()},
+                      "latency_probe_noise_p99_ms": {k: round(v["noise_p99_ms"], 2) for k, v in lat.items()},
                       "peers_tuned": mode.tune}))
     return 0
 

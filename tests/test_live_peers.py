@@ -117,19 +117,23 @@ def test_text_prompts_need_ascii_token_ids() -> None:
 
 def test_added_latency_is_taken_per_pair() -> None:
     """The router's added time is the percentiles of each pair's difference (through it minus
-    straight), not the difference of two percentiles (which went negative on a noisy machine)."""
+    straight), not the difference of two percentiles (which went negative on a noisy machine); the
+    probe's noise floor the same percentiles of two straight requests' difference."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import live_peers
     finally:
         sys.path.pop(0)
-    # The straight request is slow in the pairs where the routed one is slow too (machine noise).
-    pairs = [(1.0, 1.5)] * 98 + [(40.0, 40.5), (1.0, 9.0)]
-    out = live_peers.latency_summary(pairs)
+    # The straight request is slow in the pairs where the routed one is slow too (machine noise);
+    # the second straight request gives the probe's own noise floor.
+    triples = [(1.0, 1.5, 1.1)] * 97 + [(1.0, 1.5, 3.0), (40.0, 40.5, 40.2), (1.0, 9.0, 1.0)]
+    out = live_peers.latency_summary(triples)
     assert out["pairs"] == 100
     assert out["p50_ms"] == 0.5
     assert out["p99_ms"] == 8.0  # the one pair where the router itself was slow
     assert out["direct_p50_ms"] == 1.0 and out["via_p50_ms"] == 1.5
+    assert out["noise_p50_ms"] == pytest.approx(0.1)
+    assert out["noise_p99_ms"] == pytest.approx(2.0)  # the one triple where a straight request was slow
 
 
 def test_weka_runs_its_own_loads_context_scale_and_session_count() -> None:
