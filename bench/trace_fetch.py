@@ -14,8 +14,9 @@ policy and rate: TPS within SLO, SLO attainment split TTFT / TPOT, moves, the fe
 requests that failed TPOT vs those that passed, and the learned prices against the true ones.
 
     python bench/trace_fetch.py --paired --gbs 0.8 --tier 0.4,full --seed 1,2 [--set KEY=VALUE]
+        [--instances 16 --baselines bailian:0.5,lmetric --jobs 2]
 
-runs, untraced, smetric_ect, LMetric, SMetric and Dynamo at the same arrivals and rates (--factors,
+runs, untraced, smetric_ect, LMetric, SMetric and Dynamo (or --baselines) at the same arrivals and rates (--factors,
 default 0.5-0.7 x the knee: the knee search's peaks sit at 0.6 on these cells, its grid steps are 0.4,
 0.6, 0.8) and prints, per cell and seed, the variant's TPS within SLO ÷ each baseline's at each rate
 and summed over the rates: a paired comparison near the knee that does not hang on the one run the
@@ -253,10 +254,11 @@ def traced_run(wl: Any, cfg: Any, prof: Any, policy: PolicyConfig) -> dict[str, 
     return out
 
 
-def _cell(gbs: float, tier: str, seed: int, prof: Any) -> tuple[Any, str, Any, Any, float]:
-    """(workloads, workload key, the cell's config, its profile, its knee rate), as part 3 builds them."""
-    spec = MapSpec(xs=(0.3,), tiers=(tier,), instances=8, pool_roots=300, window_s=1200.0, seeds=(seed,),
-                   pilots=2, rate_factors=(1.0,))  # fmt: skip
+def _cell(gbs: float, tier: str, seed: int, prof: Any, instances: int = 8) -> tuple[Any, str, Any, Any, float]:
+    """(workloads, workload key, the cell's config, its profile, its knee rate), as part 3 builds them
+    (on ``--map-instances`` instances)."""
+    spec = MapSpec(xs=(0.3,), tiers=(tier,), instances=instances, pool_roots=300, window_s=1200.0,
+                   seeds=(seed,), pilots=2, rate_factors=(1.0,))  # fmt: skip
     base = load_sim_config(None, fetch_gbs=gbs)
     wls, per_x = build_workloads(spec, prof)
     scale, xprof = per_x[0.3]
@@ -271,22 +273,27 @@ def paired(a: argparse.Namespace, prof: Any, params: dict[str, float]) -> None:
     from smetric_lmc.lab.sim.batch import Task, run_tasks
 
     factors = [float(v) for v in a.factors.split(",")]
-    pols = [PolicyConfig(name="smetric_ect", params=params)] + [
-        PolicyConfig(name=n)  # type: ignore[arg-type]
-        for n in ("lmetric", "smetric", "dynamo")
-    ]
+    names = a.baselines.split(",")
+    pols = [PolicyConfig(name="smetric_ect", params=params)] + [_baseline(n) for n in names]
     tot = np.zeros(len(pols))
     for tier in a.tier.split(","):
         for seed in (int(v) for v in a.seed.split(",")):
-            wls, wkey, cfg, xprof, knee = _cell(a.gbs, tier, seed, prof)
+            wls, wkey, cfg, xprof, knee = _cell(a.gbs, tier, seed, prof, a.instances)
             tasks = [Task(wkey, msgspec.structs.replace(cfg, rate=knee * f), p, xprof) for f in factors for p in pols]
-            sc = np.array([r.score for r in run_tasks(wls, tasks, 1, desc="paired")]).reshape(len(factors), len(pols))
+            sc = np.array([r.score for r in run_tasks(wls, tasks, a.jobs, desc="paired")]).reshape(len(factors), len(pols))
             tot += sc.sum(axis=0)
-            print(f"{a.gbs:g} GB/s, global {tier}, seed {seed}: variant ÷ lmetric per rate "
-                  f"{np.round(sc[:, 0] / sc[:, 1], 3).tolist()}; summed over the rates ÷ lmetric "
-                  f"{sc[:, 0].sum() / sc[:, 1].sum():.3f}, ÷ smetric {sc[:, 0].sum() / sc[:, 2].sum():.3f}, "
-                  f"÷ dynamo {sc[:, 0].sum() / sc[:, 3].sum():.3f}", flush=True)  # fmt: skip
-    print(f"all: variant ÷ lmetric {tot[0] / tot[1]:.3f}, ÷ smetric {tot[0] / tot[2]:.3f}, ÷ dynamo {tot[0] / tot[3]:.3f}")
+            print(f"{a.gbs:g} GB/s, global {tier}, seed {seed}, {a.instances} instances: variant ÷ {names[0]} per rate "
+                  f"{np.round(sc[:, 0] / sc[:, 1], 3).tolist()}; summed over the rates "
+                  + ", ".join(f"÷ {n} {sc[:, 0].sum() / sc[:, k + 1].sum():.3f}" for k, n in enumerate(names)),
+                  flush=True)  # fmt: skip
+    print("all: variant " + ", ".join(f"÷ {n} {tot[0] / tot[k + 1]:.3f}" for k, n in enumerate(names)))
+
+
+def _baseline(name: str) -> PolicyConfig:
+    """A baseline by name; ``bailian:0.5`` is Bailian at λ = 0.5 (part 3 tunes λ per cell on seed 1)."""
+    if name.startswith("bailian:"):
+        return PolicyConfig(name="bailian", bailian_lambda=float(name.split(":", 1)[1]))
+    return PolicyConfig(name=name)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -298,6 +305,10 @@ def main() -> None:
     ap.add_argument("--policies", default="smetric_ect,lmetric,smetric,dynamo")
     ap.add_argument("--factors", default="", help="rates x the knee (default 0.8,1.0,1.25; --paired 0.5-0.7)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a smetric_ect parameter")
+    ap.add_argument("--instances", type=int, default=8, help="the cell's instances (part 3's --map-instances)")
+    ap.add_argument("--baselines", default="lmetric,smetric,dynamo",
+                    help="--paired: the policies the variant is compared with (bailian:LAMBDA for a tuned Bailian)")
+    ap.add_argument("--jobs", type=int, default=1, help="--paired: simulations run at once")
     a = ap.parse_args()
     if 0 in [int(v) for v in a.seed.split(",")]:
         raise SystemExit("seed 0 is the judged seed: trace on 1 or 2")
@@ -307,12 +318,12 @@ def main() -> None:
         paired(a, prof, {k: float(v) for k, v in (kv.split("=", 1) for kv in a.set)})
         return
     t0 = time.monotonic()
-    wls, wkey, cfg, xprof, knee = _cell(a.gbs, a.tier, int(a.seed), prof)
+    wls, wkey, cfg, xprof, knee = _cell(a.gbs, a.tier, int(a.seed), prof, a.instances)
     print(f"knee {knee:.4g} sessions/s ({time.monotonic() - t0:.0f} s)", flush=True)
     params = {k: float(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     for f in (float(v) for v in a.factors.split(",")):
         for name in a.policies.split(","):
-            pol = PolicyConfig(name=name, params=params if name.startswith("smetric_ect") else {})  # type: ignore[arg-type]
+            pol = PolicyConfig(name=name, params=params) if name.startswith("smetric_ect") else _baseline(name)  # type: ignore[arg-type]
             t1 = time.monotonic()
             out = traced_run(wls[wkey], msgspec.structs.replace(cfg, rate=knee * f), xprof, pol)
             print(
