@@ -148,7 +148,7 @@ class RobustRLS:
     It fits each price relative to its prior (``theta = prior * t``, t starting at 1): the prices span
     five orders of magnitude, and unit-free parameters keep the covariance update well conditioned."""
 
-    __slots__ = ("t", "unit", "P", "noise", "n", "err", "_forget", "_k", "_cap", "_cfg")
+    __slots__ = ("t", "unit", "P", "info", "noise", "n", "err", "_forget", "_k", "_cap", "_cfg")
 
     def __init__(self, prior: Sequence[float], cfg: EstimatorConfig, forget: float, huber_k: float) -> None:
         self._cfg = cfg
@@ -158,6 +158,9 @@ class RobustRLS:
         self.t = np.asarray(prior, dtype=np.float64) / self.unit
         self._cap = cfg.prior_rel_std**2
         self.P = np.eye(len(self.t)) * self._cap
+        # what the observations alone say about each price: the diagonal of their (forgotten,
+        # Huber-weighted) information, without the prior's; 0 along a direction never excited
+        self.info = np.zeros(len(self.t))
         self.noise = cfg.noise0
         self.err = cfg.noise0  # running mean |prediction error| (clipped at 3 noise widths), relative
         self.n = 0
@@ -179,6 +182,7 @@ class RobustRLS:
         gain = Px / (xs @ Px + sig * sig / w)
         self.t = self.t + gain * r
         P = (self.P - gain[:, None] * Px) / self._forget  # np.outer's products, without its wrapper
+        self.info = self.info * self._forget + xs * xs * (w / (sig * sig))
         P = 0.5 * (P + P.T)
         # cap at the prior's relative uncertainty, of the prior or of the estimate whichever is larger
         # (no wind-up along directions the data does not excite; a price 40x its prior is not held to
@@ -197,10 +201,19 @@ class RobustRLS:
     def adopt(self, other: RobustRLS) -> None:
         self.t = other.t.copy()
         self.P = other.P.copy()
+        self.info = other.info.copy()
         self.err = other.err
 
     def rel_std(self) -> np.ndarray:
         return np.sqrt(np.maximum(self.P.diagonal(), 0.0)) / np.maximum(np.abs(self.t), 1e-9)
+
+    def data_std(self) -> np.ndarray:
+        """Each price's standard error (µs units) as its observations alone determine it: never below
+        the fit's own, infinite along a direction no observation excited (there the estimate is the
+        prior's, whatever the prior's width)."""
+        with np.errstate(divide="ignore"):
+            data_var = np.where(self.info > 0, 1.0 / np.maximum(self.info, 1e-300), np.inf)
+        return np.sqrt(np.maximum(data_var, np.maximum(self.P.diagonal(), 0.0))) * self.unit
 
 
 class TwoRateRLS:
@@ -249,6 +262,9 @@ class TwoRateRLS:
     def rel_std(self) -> np.ndarray:
         return self.slow.rel_std()
 
+    def data_std(self) -> np.ndarray:
+        return self.slow.data_std()
+
 
 @dataclass(frozen=True, slots=True)
 class InstancePrices:
@@ -283,7 +299,7 @@ def _nonneg(v: float) -> float:
 
 
 class InstanceEstimator:
-    __slots__ = ("ttft", "tpot", "mean_output", "version", "_cache", "_vals", "_rel")
+    __slots__ = ("ttft", "tpot", "mean_output", "version", "_cache", "_vals", "_rel", "_data_se")
 
     def __init__(self, cfg: EstimatorConfig) -> None:
         pr = {**DEFAULT_PRIORS, **cfg.priors}
@@ -294,10 +310,11 @@ class InstanceEstimator:
         self._cache: InstancePrices | None = None
         self._vals: tuple[float, ...] | None = None
         self._rel: tuple[float, ...] | None = None
+        self._data_se: tuple[float, ...] | None = None
 
     def _changed(self) -> None:
         self.version += 1
-        self._cache = self._vals = self._rel = None
+        self._cache = self._vals = self._rel = self._data_se = None
 
     def observe(self, o: Observation, ref: InstanceEstimator | None = None) -> None:
         """Learn from one done report; ``ref`` (the cluster's estimator, before it learns from the same
@@ -336,6 +353,20 @@ class InstanceEstimator:
         if self._rel is None:
             self._rel = tuple(float(v) for v in np.concatenate([self.ttft.rel_std(), self.tpot.rel_std()]))
         return self._rel
+
+    def distinct(self, ratio: float) -> tuple[bool, bool]:
+        """Whether this instance's own TTFT fit, and its decode fit, have predicted its requests
+        clearly better than the cluster's fit has (running error below ``ratio`` of the cluster's):
+        the evidence that it differs from the rest, by the same rule that makes a fit adopt the
+        cluster's the other way round."""
+        return (self.ttft.slow.err < ratio * self.ttft.ref_err, self.tpot.slow.err < ratio * self.tpot.ref_err)
+
+    def data_std_vector(self) -> tuple[float, ...]:
+        """Each price's standard error from this instance's own observations alone
+        (``RobustRLS.data_std``; inf where none excited it), in PRICE_NAMES order."""
+        if self._data_se is None:
+            self._data_se = tuple(float(v) for v in np.concatenate([self.ttft.data_std(), self.tpot.data_std()]))
+        return self._data_se
 
     def confidence(self) -> dict[str, float]:
         rs = self.rel_std_vector()
@@ -378,7 +409,10 @@ class PriceBook:
         weight ``max(0, 1 - (z se / d)^2)``, ``z`` = ``self.cfg.shrink_z``, ``se`` the two estimates'
         combined standard error). A router that takes the argmin over instances priced with
         independent noisy fits sends the traffic to whichever fit happens to be low (the winner's
-        curse); identical instances then differ by noise only, and get the same price."""
+        curse); identical instances then differ by noise only, and get the same price. Only an
+        instance whose own fit has predicted its requests clearly better than the cluster's (it has
+        shown it differs) keeps any of its own prices, and of those only the ones its own
+        observations constrain."""
         est = self._by.get(instance_id)
         if est is None:
             return self.pooled.prices()
@@ -391,10 +425,22 @@ class PriceBook:
         own, pool = est.prices(), pooled.prices()
         z2 = self.cfg.shrink_z**2
         vals = []
-        for a, b, ra, rb in zip(est.values(), pooled.values(), est.rel_std_vector(), pooled.rel_std_vector()):
+        # An instance's own price counts only where the instance has shown it differs: its own fit
+        # predicted its requests clearly better than the cluster's did. An instance fit starts at the
+        # configured prior, and a price its few requests barely exercise stays near it (a fit that saw
+        # a few fetches at 30x the prior's price still said 0.2-0.6x the cluster's, with a standard
+        # error too small to reveal the prior's pull: issue 23's traces at 16 instances).
+        ttft_own, tpot_own = est.distinct(self.cfg.switch_ratio)
+        gate = (ttft_own,) * len(TTFT_PRICES) + (tpot_own,) * len(TPOT_PRICES)
+        # and its error is its data's alone: a price its requests never exercised (an instance whose
+        # sessions never fetched) sits at the prior, which says nothing about this cluster
+        for a, b, sa, rb, g in zip(est.values(), pooled.values(), est.data_std_vector(), pooled.rel_std_vector(), gate):
+            if not g:
+                vals.append(b)
+                continue
             d2 = (a - b) ** 2
-            se2 = (ra * a) ** 2 + (rb * b) ** 2
-            w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 else 0.0
+            se2 = sa * sa + (rb * b) ** 2
+            w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 and se2 < math.inf else 0.0
             vals.append(b + w * (a - b))
         out = InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
                              ttft_rel_noise=pool.ttft_rel_noise)

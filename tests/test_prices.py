@@ -282,3 +282,34 @@ def test_decision_prices_are_reused_until_the_instance_or_the_cluster_learns_som
     assert book.decision_prices("a") is not kept
     book.forget_instance("a")
     assert book.decision_prices("a") == book.pooled.prices()
+
+
+def test_an_instance_that_rarely_or_never_fetched_is_priced_at_the_cluster_fetch_price() -> None:
+    """A fetch path 30x the prior's price. Seven instances fetch as usual; "few" fetched in 1 of its
+    20 requests and "never" in none (their sessions all hit locally). Neither's own fit can say what
+    a fetch costs there: "never"'s sits at the prior, "few"'s is pulled towards it, each with a
+    standard error too small to show that. Decisions used those as "significantly" cheaper fetches
+    and sent fetching first turns onto busy instances (issue 23's traces at 16 instances); they must
+    price them at the cluster's price. An instance that really fetches slower keeps its own price."""
+    rng = np.random.default_rng(7)
+    true = {**TRUE, "fetch_global_us": 30 * DEFAULT_PRIORS["fetch_global_us"]}
+    book = PriceBook()
+    usual = [f"i{k}" for k in range(7)]
+    reports = synthetic(rng, 4000, true, 0.0)
+    fetching = [o for o in reports if o.global_hit > 0]
+    local = [o for o in reports if o.global_hit == 0]
+    for k, o in enumerate(reports[:2800]):
+        book.observe(usual[k % 7], o)
+        if k % 7 == 0:
+            book.observe("never", local[k // 7])
+            book.observe("few", fetching[k // 7] if (k // 7) % 20 == 0 else local[-1 - k // 7])
+    pooled = book.pooled.prices().fetch_global_us
+    assert pooled == pytest.approx(true["fetch_global_us"], rel=0.15)
+    assert book.prices("never").fetch_global_us < 0.2 * pooled  # its own fit: the prior
+    for iid in ("never", "few", "i0"):
+        assert book.decision_prices(iid).fetch_global_us == pytest.approx(pooled, rel=0.1), iid
+    # an instance 4x slower to fetch, with the reports to show it, keeps its own price
+    slow = {**true, "fetch_global_us": 4 * true["fetch_global_us"]}
+    for o in synthetic(rng, 400, slow, 0.0):
+        book.observe("slow", o)
+    assert book.decision_prices("slow").fetch_global_us > 2 * pooled
