@@ -28,7 +28,7 @@ straight requests' difference) and the machine's steal share and run queue over 
 
 Ends with ONE JSON line: ``{"instances", "workloads", "ours_best", "best_peer",
 "ours_vs_best_peer_tps_slo", "smetric_vs_best_peer_tps_slo", "router_cpu_ms_per_1k",
-"router_added_latency_p99_ms", "peers_tuned"}``.
+"router_added_latency_p99_ms", "router_added_latency_p50_ms", "latency_probe_noise_p99_ms", "peers_tuned"}``.
 """
 
 from __future__ import annotations
