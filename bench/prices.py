@@ -335,7 +335,9 @@ def fetch_axis(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
 async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
     import aiohttp
 
+    from smetric_lmc.controller.engine_metrics import EngineMetricsPoller
     from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+    from smetric_lmc.load import LoadTracker
 
     n_inst = 4
     args = options(instances=n_inst, global_gib=256.0, retrieve_gbps=a.live_gbps, retrieve_lookup_ms=2.0,
@@ -343,16 +345,27 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
     # every reuse is a global-tier fetch (turns go to other instances): the connector reuse the
     # router could not predict is the global tier's
     feed = PriceFeed(unpredicted="global")
+    # the same done reports without the engines' retrieve metrics: what they add, side by side
+    done_only = PriceFeed(unpredicted="global")
     per_tok_true = (prof.kv_bytes_per_token / (a.live_gbps * 1e9) + 0.1e-3 / LMCACHE_CHUNK_TOKENS) * 1e6
     rng = random.Random(7)
     sessions: list[list[int]] = []
     used: list[set[int]] = []  # instances each session's turns ran on
-    trace: list[tuple[int, float]] = []
+    trace: list[tuple[int, float, float]] = []  # (done, learned fetch price, the done-reports-only one)
     done = 0
     slow_from: int | None = None
     flight, queued = [0] * n_inst, [0] * n_inst
     async with running_mocks(args) as mocks, aiohttp.ClientSession() as s:
         urls = [m.http_url for m, _ in mocks]
+        # the controller's engine-metrics poller, at the bench's poll period: LMCache's retrieve
+        # histogram on each engine feeds the price estimator (as controller/app.py wires it), its wall
+        # seconds in the engines' model seconds like the TTFTs below
+        def on_retrieve(iid: str, n: float, mean_s: float, tokens: float) -> None:
+            feed.on_retrieve(iid, n, mean_s * a.live_speed, tokens)
+
+        poller = EngineMetricsPoller({f"mock-{i}": u for i, u in enumerate(urls)}, LoadTracker(),
+                                     interval_s=a.live_poll_s, on_retrieve=on_retrieve)
+        polling = asyncio.create_task(poller.run())
 
         async def one(k: int) -> None:
             nonlocal done
@@ -372,7 +385,8 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             used[sid].add(iid)
             rid = f"r{k}"
             # the queue it joins, as the controller's load tracker would count it
-            feed.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, float(queued[iid]), float(flight[iid]))
+            for f in (feed, done_only):
+                f.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, float(queued[iid]), float(flight[iid]))
             flight[iid] += 1
             queued[iid] += len(prompt)
             t0 = time.perf_counter()
@@ -384,12 +398,14 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             queued[iid] -= len(prompt)
             cached = body.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
             # wall seconds x speed = the engines' model seconds, the unit the true price is in
-            feed.on_done(rid, ttft_s=ttft * a.live_speed, cached_tokens=cached, prompt_tokens=len(prompt))
+            for f in (feed, done_only):
+                f.on_done(rid, ttft_s=ttft * a.live_speed, cached_tokens=cached, prompt_tokens=len(prompt))
             if a.debug and k % 20 == 0:
                 log(f"debug L={len(prompt)} cached={cached} ttft_model_s={ttft * a.live_speed:.3f} turn={turn}")
             done += 1
             if turn:
-                trace.append((done, feed.book.pooled.prices().fetch_global_us))
+                trace.append((done, feed.book.pooled.prices().fetch_global_us,
+                              done_only.book.pooled.prices().fetch_global_us))
 
         total = a.requests + a.requests // 2
         k = 0
@@ -404,19 +420,29 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             k += batch
             if k % 250 < batch:
                 log(f"[4] live: {k}/{total} requests, learned fetch {feed.book.pooled.prices().fetch_global_us:.2f} "
-                    f"µs/token ({time.monotonic() - t_start:.0f} s)")
-    before = [v for d, v in trace if d <= a.requests]
-    learned = before[-1] if before else float("nan")
+                    f"µs/token, from done reports alone {done_only.book.pooled.prices().fetch_global_us:.2f} "
+                    f"({time.monotonic() - t_start:.0f} s)")
+        await poller.close()
+        await asyncio.gather(polling, return_exceptions=True)
     after_true = 4 * per_tok_true
-    follow = next((d - (slow_from or 0) for d, v in trace if d > (slow_from or 0) and abs(v / after_true - 1) <= 0.2),
-                  None)  # fmt: skip
-    last = trace[-1][1] if trace else float("nan")
-    out = {"live_fetch_true_us": round(per_tok_true, 2), "live_fetch_learned_us": round(learned, 2),
-           "live_fetch_price_rel_err": round(abs(learned / per_tok_true - 1), 4),
-           "after_slowdown_true_us": round(after_true, 2), "after_slowdown_learned_us": round(last, 2),
-           "requests_to_follow_slowdown": follow, "speed": a.live_speed}  # fmt: skip
-    log(f"[4] live: fetch {learned:.2f} µs/token learned vs {per_tok_true:.2f} true after {a.requests} requests; "
-        f"after the 4x slowdown {last:.2f} vs {after_true:.2f} (within 20% after {follow} requests)")
+    out: dict[str, Any] = {"live_fetch_true_us": round(per_tok_true, 2), "after_slowdown_true_us": round(after_true, 2),
+                           "speed": a.live_speed, "retrieve_polls": feed.stats["retrieve_polls"]}
+    for col, tag in ((1, ""), (2, "_done_only")):
+        before = [t[col] for t in trace if t[0] <= a.requests]
+        learned = before[-1] if before else float("nan")
+        # how soon each finds the price: the error after a quarter of the requests
+        early = [t[col] for t in trace if t[0] <= a.requests // 4]
+        follow = next((t[0] - (slow_from or 0) for t in trace
+                       if t[0] > (slow_from or 0) and abs(t[col] / after_true - 1) <= 0.2), None)
+        last = trace[-1][col] if trace else float("nan")
+        out.update({f"live_fetch_learned_us{tag}": round(learned, 2),
+                    f"live_fetch_price_rel_err{tag}": round(abs(learned / per_tok_true - 1), 4),
+                    f"live_fetch_rel_err_at_quarter{tag}": round(abs(early[-1] / per_tok_true - 1), 4) if early else None,
+                    f"after_slowdown_learned_us{tag}": round(last, 2), f"requests_to_follow_slowdown{tag}": follow})
+        log(f"[4] live{tag.replace('_', ' ') or ' (done reports and retrieve metrics)'}: fetch {learned:.2f} µs/token "
+            f"learned vs {per_tok_true:.2f} true after {a.requests} requests "
+            f"({out[f'live_fetch_rel_err_at_quarter{tag}']} off after {a.requests // 4}); after the 4x slowdown "
+            f"{last:.2f} vs {after_true:.2f} (within 20% after {follow} requests)")
     return out
 
 
@@ -450,6 +476,7 @@ def main() -> None:
     a.map_window = 600.0 if q else 1200.0
     a.pilots, a.rate_factors = (1, (0.8, 1.0, 1.25)) if q else (2, (0.6, 0.8, 1.0, 1.25, 1.6))
     a.live_gbps, a.live_speed, a.live_concurrency = 1.6, 4.0, 8
+    a.live_poll_s = 1.0  # the engine-metrics poll (the live-peers bench's; the controller's default is 2 s)
     if a.axis_arg:
         a.axis = tuple(float(v) for v in a.axis_arg.split(","))
     if a.tiers_arg:

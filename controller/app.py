@@ -340,6 +340,8 @@ class ControllerApp:
             probe_s=self.cfg.load.breaker_probe_s,
             # the engines' inter-token latency teaches the decode slowdown per running request
             on_tpot=self._observe_tpot,
+            # and LMCache's retrieve histogram the retrieve price (where the engine exports it)
+            on_retrieve=self._observe_retrieve,
         )
         self.membership.prober = self.poller
         self.supervisor.spawn("engine-metrics", self.poller.run)
@@ -348,6 +350,11 @@ class ControllerApp:
         feed = self.router.prices  # read at each poll: a policy reload may have replaced it
         if feed is not None:
             feed.book.observe_tpot(instance_id, tpot_s, running)
+
+    def _observe_retrieve(self, instance_id: str, count: float, mean_s: float, mean_tokens: float) -> None:
+        feed = self.router.prices
+        if feed is not None:
+            feed.on_retrieve(instance_id, count, mean_s, mean_tokens)
 
     async def _maintain_loop(self) -> None:
         # Bulk changes leave work behind, done here a bounded slice at a time: rows a clear

@@ -11,6 +11,10 @@ Re-probe: an instance whose last poll failed is polled again after ``probe_s``, 
 further failure up to the regular interval (the half-open probe of the controller's circuit
 breaker), so an engine that comes back is seen within about a second instead of a full period.
 ``probe_now`` asks for an immediate poll of one instance (the gateway reported it unreachable).
+
+Prices: each poll's growth of vLLM's inter-token latency histogram is a decode-time observation
+(``on_tpot``), and of LMCache's retrieve histogram and retrieved-token counter a retrieve-time one
+(``on_retrieve``), for the controller's price estimator (smetric_lmc.prices).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ WAITING = "vllm:num_requests_waiting"
 #: vLLM's inter-token latency histogram (v1 engine), and its v0 name: one observation per output
 #: token after the first, so an interval's delta sum / delta count is its mean time per output token.
 ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+#: LMCache's retrieve histogram (seconds per retrieve) and its retrieved-token counter. LMCache sets
+#: ``PROMETHEUS_MULTIPROC_DIR`` in the engine's process, so vLLM's /metrics carries them; an interval's
+#: delta sum / delta count is the mean time of a retrieve there, delta tokens / delta count its mean size.
+RETRIEVE_TIME = "lmcache:time_to_retrieve"
+RETRIEVED_TOKENS = "lmcache:num_hit_tokens"
 #: vLLM's /metrics is ~100 KiB; anything far larger is not an engine we understand.
 MAX_BODY_BYTES = 8 << 20
 RECONCILE_SLICE = 1024  # in-flight entries healed or inferred per slice of the loop (see LoadTracker.reconcile)
@@ -55,14 +64,28 @@ class EngineSample:
     running: float | None
     itl_sum_s: float | None = None  # the inter-token latency histogram's running sum and count
     itl_count: float | None = None
+    retrieve_sum_s: float | None = None  # LMCache's retrieve histogram's running sum and count,
+    retrieve_count: float | None = None  # and the tokens those retrieves brought back
+    retrieved_tokens: float | None = None
+
+
+def _pair(sums: Mapping[str, float], total: str, count: str) -> tuple[float | None, float | None]:
+    """A histogram's (sum, count), or (None, None) when half of it is missing or either is invalid."""
+    a, b = sums.get(total), sums.get(count)
+    if a is None or b is None or not (a >= 0 and b >= 0):  # a half or a NaN: ignored
+        return None, None
+    return a, b
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
-    """The request gauges (required) and the inter-token latency histogram (when exported)."""
+    """The request gauges (required); the inter-token latency histogram and LMCache's retrieve
+    histogram and retrieved-token counter when exported (each summed over labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
     itl: dict[str, float] = {}
+    lmc: dict[str, float] = {}
+    wanted = {RETRIEVE_TIME + "_sum", RETRIEVE_TIME + "_count", RETRIEVED_TOKENS + "_total"}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in (RUNNING, WAITING):
@@ -73,6 +96,10 @@ def parse_engine_metrics(text: str) -> EngineSample:
                 for sample in family.samples:  # the first of the two names present is read
                     if sample.name in (family.name + "_sum", family.name + "_count"):
                         itl[sample.name] = itl.get(sample.name, 0.0) + sample.value
+            elif family.name in (RETRIEVE_TIME, RETRIEVED_TOKENS):
+                for sample in family.samples:
+                    if sample.name in wanted:
+                        lmc[sample.name] = lmc.get(sample.name, 0.0) + sample.value
     except (ValueError, TypeError, IndexError) as exc:  # the parser's ways of saying "not Prometheus text"
         raise EngineMetricsError(f"unparsable metrics: {exc}") from None
     if not totals:
@@ -81,12 +108,13 @@ def parse_engine_metrics(text: str) -> EngineSample:
         if v != v or v < 0:  # NaN or negative: an engine would never report that
             raise EngineMetricsError(f"invalid request count {v}")
     waiting = totals.get(WAITING)
-    isum = next((v for k, v in itl.items() if k.endswith("_sum")), None)
-    icount = next((v for k, v in itl.items() if k.endswith("_count")), None)
-    if isum is None or icount is None or not (isum >= 0 and icount >= 0):  # a half or a NaN: ignored
-        isum = icount = None
+    isum, icount = _pair({k.rsplit("_", 1)[1]: v for k, v in itl.items()}, "sum", "count")
+    rsum, rcount = _pair(lmc, RETRIEVE_TIME + "_sum", RETRIEVE_TIME + "_count")
+    rtok = lmc.get(RETRIEVED_TOKENS + "_total")
+    if rsum is None or rtok is None or not rtok >= 0:
+        rsum = rcount = rtok = None
     return EngineSample(int(round(sum(totals.values()))), None if waiting is None else int(round(waiting)),
-                        totals.get(RUNNING), isum, icount)
+                        totals.get(RUNNING), isum, icount, rsum, rcount, rtok)
 
 
 def parse_engine_counts(text: str) -> tuple[int, int | None]:
@@ -95,28 +123,49 @@ def parse_engine_counts(text: str) -> tuple[int, int | None]:
     return s.requests, s.waiting
 
 
-class ItlDeltas:
-    """Per instance, the mean time per output token since the previous poll (the histogram's delta
-    sum / delta count) and the running requests then: what ``PriceBook.observe_tpot`` learns from.
-    A counter that went backwards (the engine restarted) only resets the baseline."""
+class _CounterDeltas:
+    """Per instance, the growth of some running counters since the previous poll. A counter that
+    went backwards (the engine restarted) only resets the baseline; the first poll is one."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[float, float]] = {}
+        self._last: dict[str, tuple[float, ...]] = {}
+
+    def step(self, instance_id: str, now: tuple[float, ...]) -> tuple[float, ...] | None:
+        prev = self._last.get(instance_id)
+        self._last[instance_id] = now
+        if prev is None:
+            return None
+        d = tuple(a - b for a, b in zip(now, prev))
+        return d if all(x >= 0 for x in d) else None
+
+    def forget(self, instance_id: str) -> None:
+        self._last.pop(instance_id, None)
+
+
+class ItlDeltas(_CounterDeltas):
+    """Per instance, the mean time per output token since the previous poll (the histogram's delta
+    sum / delta count) and the running requests then: what ``PriceBook.observe_tpot`` learns from."""
 
     def update(self, instance_id: str, s: EngineSample) -> tuple[float, float] | None:
         if s.itl_sum_s is None or s.itl_count is None or s.running is None:
             return None
-        prev = self._last.get(instance_id)
-        self._last[instance_id] = (s.itl_sum_s, s.itl_count)
-        if prev is None:
+        d = self.step(instance_id, (s.itl_sum_s, s.itl_count))
+        if d is None or d[1] <= 0 or d[0] <= 0:
             return None
-        d_sum, d_count = s.itl_sum_s - prev[0], s.itl_count - prev[1]
-        if d_count <= 0 or d_sum <= 0:
-            return None
-        return d_sum / d_count, s.running
+        return d[0] / d[1], s.running
 
-    def forget(self, instance_id: str) -> None:
-        self._last.pop(instance_id, None)
+
+class RetrieveDeltas(_CounterDeltas):
+    """Per instance, LMCache's retrieves since the previous poll: (their count, mean seconds, mean
+    tokens), what ``PriceBook.observe_retrieve`` learns the retrieve price from."""
+
+    def update(self, instance_id: str, s: EngineSample) -> tuple[float, float, float] | None:
+        if s.retrieve_sum_s is None or s.retrieve_count is None or s.retrieved_tokens is None:
+            return None
+        d = self.step(instance_id, (s.retrieve_sum_s, s.retrieve_count, s.retrieved_tokens))
+        if d is None or d[1] <= 0 or d[0] <= 0:
+            return None
+        return d[1], d[0] / d[1], d[2] / d[1]
 
 
 @dataclass(slots=True)
@@ -145,6 +194,7 @@ class EngineMetricsPoller:
         on_result: Callable[[str, bool], None] | None = None,
         probe_s: float = 0.25,
         on_tpot: Callable[[str, float, float], None] | None = None,
+        on_retrieve: Callable[[str, float, float, float], None] | None = None,
     ) -> None:
         self.targets = {iid: url.rstrip("/") + "/metrics" for iid, url in targets.items()}
         self.load = load
@@ -155,7 +205,11 @@ class EngineMetricsPoller:
         self.on_result = on_result
         # (instance, mean s per output token since the last poll, running requests): the price estimator
         self.on_tpot = on_tpot
+        # (instance, retrieves since the last poll, their mean seconds, their mean tokens): LMCache's
+        # retrieve price, for the price estimator
+        self.on_retrieve = on_retrieve
         self._itl = ItlDeltas()
+        self._retrieves = RetrieveDeltas()
         self.probe_s = min(probe_s, interval_s)
         self.state: dict[str, PollState] = {iid: PollState() for iid in targets}
         self._due: dict[str, float] = dict.fromkeys(targets, 0.0)  # monotonic time of each next poll
@@ -198,6 +252,7 @@ class EngineMetricsPoller:
         self.targets.pop(instance_id, None)
         self._due.pop(instance_id, None)
         self._itl.forget(instance_id)
+        self._retrieves.forget(instance_id)
 
     def probe_now(self, instance_id: str) -> None:
         """Poll ``instance_id`` at once (the next loop turn) instead of at its scheduled time."""
@@ -249,12 +304,9 @@ class EngineMetricsPoller:
         st.ok = True
         st.consecutive_failures = 0
         if self.on_tpot is not None:
-            got = self._itl.update(instance_id, sample)
-            if got is not None:
-                try:
-                    self.on_tpot(instance_id, *got)
-                except Exception:
-                    log.exception("engine metrics: tpot callback failed instance=%s", instance_id)
+            self._learn(self.on_tpot, instance_id, self._itl.update(instance_id, sample))
+        if self.on_retrieve is not None:
+            self._learn(self.on_retrieve, instance_id, self._retrieves.update(instance_id, sample))
         st.engine_requests = count
         st.last_ok = time.monotonic()
         # Bounded slices (a poll after many lost done reports heals thousands), yielding between.
@@ -269,6 +321,15 @@ class EngineMetricsPoller:
             log.info("engine metrics: healed lost done reports instance=%s released=%d engine_requests=%d",
                      instance_id, healed, count)
         self._notify(instance_id, True)
+
+    @staticmethod
+    def _learn(callback: Callable[..., None], instance_id: str, got: tuple[float, ...] | None) -> None:
+        if got is None:
+            return
+        try:
+            callback(instance_id, *got)
+        except Exception:
+            log.exception("engine metrics: price callback failed instance=%s", instance_id)
 
     async def _fetch(self, url: str) -> EngineSample:
         assert self._session is not None

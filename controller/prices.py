@@ -28,7 +28,8 @@ class PriceCollector(Collector):
     ``smetric_price_rel_std{backend,price}`` (its relative standard error),
     ``smetric_price_ttft_noise{backend}`` (the TTFT fit's relative residual scale: ``smetric_ect`` moves a
     follow-up off its holder only for a saving above ``move_z`` times it) and
-    ``smetric_price_observations{backend}``, read at scrape time (``backend`` as in controller/metrics.py)."""
+    ``smetric_price_observations{backend}`` and ``smetric_price_retrieve_observations{backend}`` (engine
+    metrics polls whose LMCache retrieves it learned from), read at scrape time (``backend`` as in controller/metrics.py)."""
 
     def __init__(self, feed: PriceFeed) -> None:
         self._feed = feed
@@ -49,6 +50,9 @@ class PriceCollector(Collector):
                                 labels=["backend", "price"])
         obs = GaugeMetricFamily("smetric_price_observations", "done reports a price fit has learned from",
                                 labels=["backend"])
+        retr = GaugeMetricFamily("smetric_price_retrieve_observations",
+                                 "engine metrics polls of LMCache retrieves a price fit has learned from",
+                                 labels=["backend"])
         noise = GaugeMetricFamily("smetric_price_ttft_noise", "relative residual scale of the learned TTFT fit",
                                   labels=["backend"])
         for iid, est in rows:
@@ -58,8 +62,10 @@ class PriceCollector(Collector):
             for k, v in est.confidence().items():
                 rel.add_metric([iid, k], v)
             obs.add_metric([iid], p.observations)
+            retr.add_metric([iid], est.retrieves)
             noise.add_metric([iid], p.ttft_rel_noise)
         yield from fams.values()
         yield rel
         yield obs
+        yield retr
         yield noise

@@ -10,6 +10,10 @@ Per instance it fits one linear model of a request's time to first token (µs)::
          + queued * queue_us_per_tok                       prefill queued ahead of it at decision time
          + in_flight * inflight_us                         batched requests slowing its prefill
 
+Where the engines export LMCache's retrieve metrics, each poll's retrieves (their mean time and
+size) are one more equation of the same model with only the fetch terms present
+(``observe_retrieve``): the retrieve price measured on its own rather than inferred from TTFT.
+
 and one of the time per output token after the first (µs)::
 
     tpot = decode_us + in_flight * decode_us_per_req
@@ -169,8 +173,10 @@ class RobustRLS:
     def theta(self) -> np.ndarray:
         return self.t * self.unit
 
-    def update(self, x: np.ndarray, y: float) -> float:
-        """Fold in y ~ theta . x; returns the Huber weight the observation got."""
+    def update(self, x: np.ndarray, y: float, aux: bool = False) -> float:
+        """Fold in y ~ theta . x; returns the Huber weight the observation got. An ``aux`` row (a
+        part of the time measured on its own: a retrieve) moves the prices only: the noise scale and
+        the prediction error stay the requests' own (the variant's move margin reads the noise)."""
         cfg = self._cfg
         scale = max(abs(y), 1e-9)  # relative equations (noise grows with the request), linear in t
         xs = x * self.unit / scale
@@ -190,6 +196,8 @@ class RobustRLS:
         cap = self._cap * np.maximum(1.0, self.t * self.t)
         sc = np.minimum(1.0, np.sqrt(cap / np.maximum(P.diagonal(), 1e-30)))
         self.P = P * (sc[:, None] * sc)
+        if aux:
+            return w
         # robust noise scale: an outlier moves it by at most its clipped size
         clipped = min(abs(r), 3.0 * self.noise)
         self.noise += cfg.noise_rate * (clipped * 1.2533 - self.noise)
@@ -239,9 +247,14 @@ class TwoRateRLS:
         self._since = 0
         self._ref_since = 0
 
-    def update(self, x: np.ndarray, y: float, ref: RobustRLS | None = None) -> None:
-        """Fold in y ~ theta . x; ``ref`` (not yet updated with it) is the fit this one may adopt."""
+    def update(self, x: np.ndarray, y: float, ref: RobustRLS | None = None, aux: bool = False) -> None:
+        """Fold in y ~ theta . x; ``ref`` (not yet updated with it) is the fit this one may adopt. An
+        ``aux`` row moves both fits' prices and nothing else (see ``RobustRLS.update``)."""
         cfg = self._cfg
+        if aux:
+            self.slow.update(x, y, aux=True)
+            self.fast.update(x, y, aux=True)
+            return
         if ref is not None:
             # the reference's relative prediction error, clipped as this fit clips its own
             r = 1.0 - float(ref.theta @ x) / y if y > 0 else 1.0
@@ -299,13 +312,19 @@ def _nonneg(v: float) -> float:
 
 
 class InstanceEstimator:
-    __slots__ = ("ttft", "tpot", "mean_output", "version", "_cache", "_vals", "_rel", "_data_se")
+    __slots__ = ("ttft", "tpot", "mean_output", "global_share", "retrieves", "version", "_cache", "_vals", "_rel",
+                 "_data_se")
 
     def __init__(self, cfg: EstimatorConfig) -> None:
         pr = {**DEFAULT_PRIORS, **cfg.priors}
         self.ttft = TwoRateRLS([pr[k] for k in TTFT_PRICES], cfg)
         self.tpot = TwoRateRLS([pr[k] for k in TPOT_PRICES], cfg)
         self.mean_output = 0.0
+        # the global tier's share of the tokens this instance's requests fetched (the rest came from
+        # the local CPU tier): how a retrieve measured on the engine splits between the two prices.
+        # The paper's deployment (a GPU local tier, a CPU pool behind RDMA) fetches only globally.
+        self.global_share = 1.0
+        self.retrieves = 0  # retrieve observations learned from (engine metrics)
         self.version = 0  # bumped by every observation: what a cached derivative was computed from
         self._cache: InstancePrices | None = None
         self._vals: tuple[float, ...] | None = None
@@ -321,12 +340,29 @@ class InstanceEstimator:
         report) is the fit this one adopts when it predicts this instance's requests clearly better."""
         if not (o.ttft_s > 0 and math.isfinite(o.ttft_s)) or o.prompt_tokens <= 0:
             return
-        self.ttft.update(ttft_features(o), o.ttft_s * 1e6, ref.ttft.slow if ref is not None else None)
+        x = ttft_features(o)
+        self.ttft.update(x, o.ttft_s * 1e6, ref.ttft.slow if ref is not None else None)
+        if x[3] + x[5] > 0:
+            self.global_share += 0.02 * (x[3] / (x[3] + x[5]) - self.global_share)
         if o.output_tokens > 0:
             m = self.mean_output
             self.mean_output = float(o.output_tokens) if m == 0 else m + 0.02 * (o.output_tokens - m)
         if o.e2e_s is not None and o.output_tokens > 1 and math.isfinite(o.e2e_s) and o.e2e_s > o.ttft_s:
             self.observe_tpot((o.e2e_s - o.ttft_s) / (o.output_tokens - 1), o.in_flight, ref)
+        self._changed()
+
+    def observe_retrieve(self, mean_s: float, mean_tokens: float) -> None:
+        """The engine's retrieves over an interval (LMCache's retrieve histogram): their mean time and
+        size are one equation of the TTFT model's fetch part alone, split between the global tier and
+        the local CPU tier by this instance's ``global_share``. It pins the retrieve price directly,
+        where the done reports see it only through TTFT, mixed with compute and queueing."""
+        if not (mean_s > 0 and math.isfinite(mean_s) and mean_tokens >= 0 and math.isfinite(mean_tokens)):
+            return
+        sg = self.global_share
+        x = np.zeros(len(TTFT_PRICES))
+        x[3], x[4], x[5], x[6] = mean_tokens * sg, sg, mean_tokens * (1.0 - sg), 1.0 - sg
+        self.ttft.update(x, mean_s * 1e6, aux=True)
+        self.retrieves += 1
         self._changed()
 
     def observe_tpot(self, tpot_s: float, running: float, ref: InstanceEstimator | None = None) -> None:
@@ -386,18 +422,25 @@ class PriceBook:
         self._decided: dict[str, tuple[int, int, InstancePrices]] = {}
 
     def observe(self, instance_id: str, o: Observation) -> None:
-        est = self._by.get(instance_id)
-        if est is None:
-            est = self._by[instance_id] = InstanceEstimator(self.cfg)
+        est = self._est(instance_id)
         est.observe(o, self.pooled)  # before the pooled fit learns from it: a prediction, not a fit
         self.pooled.observe(o)
 
-    def observe_tpot(self, instance_id: str, tpot_s: float, running: float) -> None:
+    def _est(self, instance_id: str) -> InstanceEstimator:
         est = self._by.get(instance_id)
         if est is None:
             est = self._by[instance_id] = InstanceEstimator(self.cfg)
-        est.observe_tpot(tpot_s, running, self.pooled)
+        return est
+
+    def observe_tpot(self, instance_id: str, tpot_s: float, running: float) -> None:
+        self._est(instance_id).observe_tpot(tpot_s, running, self.pooled)
         self.pooled.observe_tpot(tpot_s, running)
+
+    def observe_retrieve(self, instance_id: str, mean_s: float, mean_tokens: float) -> None:
+        """An interval's retrieves on one engine (``InstanceEstimator.observe_retrieve``)."""
+        est = self._est(instance_id)
+        est.observe_retrieve(mean_s, mean_tokens)
+        self.pooled.observe_retrieve(mean_s, mean_tokens)
 
     def prices(self, instance_id: str) -> InstancePrices:
         est = self._by.get(instance_id)
@@ -466,6 +509,7 @@ class PriceBook:
                 "mean_output": round(p.mean_output, 1),
                 "switches": e.ttft.switches,
                 "adopted_cluster": e.ttft.ref_adoptions,
+                "retrieves": e.retrieves,
                 "noise": round(float(e.ttft.slow.noise), 4),
             }
 
@@ -497,7 +541,8 @@ class PriceFeed:
         self.unpredicted: Literal["local_cpu", "global"] = unpredicted  # see Observation.unpredicted
         self.max_pending = max_pending
         self._pending: dict[str, _Routed] = {}
-        self.stats = {"routed": 0, "observed": 0, "unmatched_done": 0, "dropped_pending": 0, "no_ttft": 0}
+        self.stats = {"routed": 0, "observed": 0, "unmatched_done": 0, "dropped_pending": 0, "no_ttft": 0,
+                      "retrieve_polls": 0}
 
     def on_routed(self, request_id: str, instance_id: str, prompt_tokens: int, local_hit: int, global_hit: int,
                   queued_tokens: float, in_flight: float) -> None:
@@ -525,6 +570,12 @@ class PriceFeed:
             self.unpredicted))
         self.stats["observed"] += 1
         return True
+
+    def on_retrieve(self, instance_id: str, count: float, mean_s: float, mean_tokens: float) -> None:
+        """``count`` retrieves on one engine since its last poll, their mean seconds and tokens."""
+        if count > 0:
+            self.book.observe_retrieve(instance_id, mean_s, mean_tokens)
+            self.stats["retrieve_polls"] += 1
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

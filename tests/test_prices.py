@@ -131,6 +131,7 @@ def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
     text = generate_latest(reg).decode()
     assert 'smetric_price_fetch_global_us{backend="cluster"} 9.0' in text
     assert 'smetric_price_observations{backend="cluster"} 20.0' in text
+    assert 'smetric_price_retrieve_observations{backend="cluster"} 0.0' in text
     assert 'smetric_price_rel_std{backend="cluster",price="prefill_us"}' in text
     noise = core.router.prices.book.pooled.prices().ttft_rel_noise
     assert noise > 0 and f'smetric_price_ttft_noise{{backend="cluster"}} {noise!r}' in text
@@ -148,6 +149,23 @@ def test_the_simulator_learns_prices_from_its_done_reports_only() -> None:
     assert sim.price_feed.book.prices(sim.instances[0].iid).observations > 0
     # a baseline runs without one
     assert Simulator(toy(), cfg(), PolicyConfig(name="lmetric")).price_feed is None
+
+
+def test_the_simulator_feeds_the_retrieves_its_engines_metrics_would_show() -> None:
+    """With a global tier, the requests that fetched are summed per instance over each poll period,
+    as the controller's poller reads LMCache's retrieve histogram, and learnt from as such."""
+    from smetric_lmc.lab.sim.cluster import Simulator
+    from tests.test_sim import cfg, toy
+
+    sim = Simulator(toy(), cfg(global_tier="full", rate=2.0), PolicyConfig(name="smetric_ect"))
+    assert sim.retrieve_polls is not None
+    res = sim.run()
+    fetched = int((res.cols["global_tokens"] > 0).sum())
+    assert fetched > 0, "the toy workload must fetch from the global tier"
+    polls = sim.price_feed.stats["retrieve_polls"]  # type: ignore[union-attr]
+    assert 0 < polls <= fetched
+    assert sum(sim.price_feed.book.snapshot()["instances"][i]["retrieves"]  # type: ignore[index, union-attr]
+               for i in sim.price_feed.book.instances()) == polls  # type: ignore[union-attr]
 
 
 def test_decisions_compare_instances_at_the_cluster_price_unless_one_differs_significantly() -> None:
@@ -256,6 +274,123 @@ async def test_the_poller_feeds_a_mock_engines_tpot_to_the_price_book() -> None:
             await poller.close()
     assert len(seen) == 1 and seen[0][0] == "m0" and seen[0][1] > 0
     assert book.instances() == ["m0"] and book.pooled.tpot.slow.n == 1
+
+
+def test_retrieve_observations_speed_up_learning_the_fetch_price_and_leave_the_noise_alone() -> None:
+    """A fetch path 30x the prior's price. From 150 done reports alone (a third of them fetch) the
+    fit has not yet found it; with the engines' retrieve metrics polled beside them (each poll's mean
+    retrieve time and size: the price measured on its own), it has. A retrieve row moves the prices
+    only: neither the fit's noise scale (the variant's move margin) nor its observation count."""
+    true = {**TRUE, "fetch_global_us": 30 * DEFAULT_PRIORS["fetch_global_us"]}
+    for seed in (3, 4, 5):
+        rng = np.random.default_rng(seed)
+        alone, both = PriceBook(), PriceBook()
+        for k, o in enumerate(synthetic(rng, 150, true)):
+            alone.observe("a", o)
+            both.observe("a", o)
+            if k % 4 == 3:  # a poll every fourth report
+                tokens = float(rng.integers(2000, 30000))
+                secs = (true["fetch_global_us"] * tokens + true["fetch_global_fixed_us"]) / 1e6
+                both.observe_retrieve("a", secs * float(np.exp(rng.normal(0, 0.05))), tokens)
+        assert both.prices("a").fetch_global_us == pytest.approx(true["fetch_global_us"], rel=0.1)
+        assert alone.prices("a").fetch_global_us < 0.85 * true["fetch_global_us"]
+        assert both.snapshot()["instances"]["a"]["retrieves"] == 37  # type: ignore[index]
+    slow = both.pooled.ttft.slow
+    before = (slow.noise, slow.err, slow.n)
+    both.observe_retrieve("a", 1.0, 8000.0)
+    assert (slow.noise, slow.err, slow.n) == before
+    # nonsense from an engine teaches nothing
+    for bad in ((0.0, 100.0), (float("nan"), 100.0), (0.1, -1.0), (float("inf"), 5.0)):
+        both.observe_retrieve("a", *bad)
+    assert both.snapshot()["instances"]["a"]["retrieves"] == 38  # type: ignore[index]
+
+
+def test_a_retrieve_splits_between_the_tiers_as_the_instances_fetches_did() -> None:
+    """Where the done reports show the connector's reuse coming from the local CPU tier (the router
+    predicted no global hit), a retrieve the engine measured prices the local CPU tier."""
+    book = PriceBook()
+    for k in range(300):
+        L = 8000 + 10 * k
+        # reuse past the GPU hit with no global hit predicted: the local CPU tier's
+        book.observe("a", Observation(L, 0, 0, 0.5 + L * 1e-5, cached_tokens=L // 2))
+    est = book._by["a"]
+    assert est.global_share < 0.01
+    before = book.prices("a")
+    for _ in range(30):
+        book.observe_retrieve("a", 0.002 + 20e-6 * 4000, 4000.0)
+    after = book.prices("a")
+    assert after.fetch_local_us == pytest.approx(20.0, rel=0.2)
+    assert after.fetch_global_us == pytest.approx(before.fetch_global_us, rel=0.05)
+
+
+def _lmcache_body(running: float, retrieve: tuple[float, float, float] | None) -> str:
+    rows = ["# TYPE vllm:num_requests_running gauge", f'vllm:num_requests_running{{engine="0"}} {running}']
+    if retrieve is not None:
+        lab = 'model_name="m",worker_id="0"'
+        rows += ["# TYPE lmcache:time_to_retrieve histogram",
+                 f'lmcache:time_to_retrieve_bucket{{le="+Inf",{lab}}} {retrieve[1]}',
+                 f"lmcache:time_to_retrieve_sum{{{lab}}} {retrieve[0]}",
+                 f"lmcache:time_to_retrieve_count{{{lab}}} {retrieve[1]}",
+                 "# TYPE lmcache:num_hit_tokens_total counter", f"lmcache:num_hit_tokens_total{{{lab}}} {retrieve[2]}"]
+    return "\n".join(rows) + "\n"
+
+
+def test_lmcache_retrieve_deltas_are_retrieve_observations() -> None:
+    from smetric_lmc.controller.engine_metrics import RetrieveDeltas, parse_engine_metrics
+
+    d = RetrieveDeltas()
+    assert d.update("a", parse_engine_metrics(_lmcache_body(1, (1.0, 10.0, 20000.0)))) is None  # baseline
+    assert d.update("a", parse_engine_metrics(_lmcache_body(1, (1.6, 13.0, 26000.0)))) == pytest.approx((3.0, 0.2, 2000.0))
+    assert d.update("a", parse_engine_metrics(_lmcache_body(1, (1.6, 13.0, 26000.0)))) is None  # none since
+    assert d.update("a", parse_engine_metrics(_lmcache_body(1, (0.1, 1.0, 100.0)))) is None  # a restart: new baseline
+    # an engine without LMCache, or with half of what is needed, teaches nothing
+    assert parse_engine_metrics(_lmcache_body(1, None)).retrieve_sum_s is None
+    half = _lmcache_body(1, None) + '# TYPE lmcache:time_to_retrieve histogram\nlmcache:time_to_retrieve_sum{worker_id="0"} 1.0\n'
+    s = parse_engine_metrics(half)
+    assert (s.retrieve_sum_s, s.retrieve_count, s.retrieved_tokens) == (None, None, None)
+    # summed over LMCache's workers (tensor-parallel ranks)
+    two = _lmcache_body(1, (1.0, 2.0, 300.0)) + _lmcache_body(1, (3.0, 4.0, 500.0)).replace('worker_id="0"', 'worker_id="1"').split("\n", 2)[2]
+    s = parse_engine_metrics(two)
+    assert (s.retrieve_sum_s, s.retrieve_count, s.retrieved_tokens) == (4.0, 6.0, 800.0)
+
+
+async def test_the_poller_feeds_a_mock_engines_retrieves_to_the_price_feed() -> None:
+    """Two mock instances sharing a global tier: a prompt computed on one and sent to the other is
+    fetched there; the poller reads that engine's LMCache retrieve metrics and the feed learns."""
+    import asyncio
+
+    import aiohttp
+
+    from smetric_lmc.controller.engine_metrics import EngineMetricsPoller
+    from smetric_lmc.lab.mock_engine.cli import options, running_mocks
+    from smetric_lmc.load import LoadTracker
+
+    feed = PriceFeed(unpredicted="global")
+    seen: list[tuple[str, float, float, float]] = []
+
+    def on_retrieve(iid: str, count: float, mean_s: float, mean_tokens: float) -> None:
+        seen.append((iid, count, mean_s, mean_tokens))
+        feed.on_retrieve(iid, count, mean_s, mean_tokens)
+
+    args = options(instances=2, global_gib=1.0, retrieve_gbps=1.0, speed=50.0, num_gpu_blocks=4096)
+    async with running_mocks(args) as mocks, aiohttp.ClientSession() as http:
+        urls = {f"m{k}": m.http_url for k, (m, _) in enumerate(mocks)}
+        poller = EngineMetricsPoller(urls, LoadTracker(), on_retrieve=on_retrieve)
+        try:
+            await poller.poll_once()  # the baseline
+            prompt = [7 + k % 50 for k in range(2048)]
+            for url in (urls["m0"], urls["m1"]):
+                async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                                    "max_tokens": 1}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.3)  # the put to the global tier lands before the next instance asks
+            await poller.poll_once()
+        finally:
+            await poller.close()
+    assert [s[0] for s in seen] == ["m1"], seen
+    _, count, mean_s, mean_tokens = seen[0]
+    assert count == 1 and mean_s > 0 and 1024 <= mean_tokens <= 2048
+    assert feed.stats["retrieve_polls"] == 1 and feed.book.snapshot()["instances"]["m1"]["retrieves"] == 1  # type: ignore[index]
 
 
 def test_decision_prices_are_reused_until_the_instance_or_the_cluster_learns_something() -> None:

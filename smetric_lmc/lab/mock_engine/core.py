@@ -88,6 +88,11 @@ class EngineCounters:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     global_hit_tokens: int = 0
+    # LMCache's retrieve histogram and retrieved-token counter: each request's load past its GPU
+    # hit (local CPU and global tier together, one retrieve), in wall seconds
+    retrieves: int = 0
+    retrieve_sum_s: float = 0.0
+    retrieved_tokens: int = 0
 
 
 class _Index:
@@ -130,6 +135,10 @@ class _MockInstance(Instance):
         def one(r: SimRequest, t: float) -> None:
             r.load_pending = False
             r.load_s = t - now
+            c = self.core.counters
+            c.retrieves += 1
+            c.retrieve_sum_s += r.load_s / self.core.speed  # model seconds -> wall
+            c.retrieved_tokens += r.global_tokens
             self._release_gnode(r, t)
             left[0] -= 1
             if left[0] == 0:

@@ -358,6 +358,14 @@ def render_metrics(core: MockEngineCore, model: str) -> str:
     out += [f"# HELP {itl} Histogram of inter-token latency in seconds.", f"# TYPE {itl} histogram",
             f'{itl}_bucket{{{lab},le="+Inf"}} {float(c.itl_count)}', f"{itl}_sum{{{lab}}} {c.itl_sum_s}",
             f"{itl}_count{{{lab}}} {float(c.itl_count)}"]
+    # LMCache's own names and labels (lmcache.observability, 0.5.6), as vLLM's /metrics carries them
+    rt, lml = "lmcache:time_to_retrieve", f'model_name="{model}",worker_id="0"'
+    out += [f"# HELP {rt} Time to retrieve from lmcache (seconds)", f"# TYPE {rt} histogram",
+            f'{rt}_bucket{{le="+Inf",{lml}}} {float(c.retrieves)}', f"{rt}_sum{{{lml}}} {c.retrieve_sum_s}",
+            f"{rt}_count{{{lml}}} {float(c.retrieves)}",
+            "# HELP lmcache:num_hit_tokens_total Total number of tokens hit in lmcache",
+            "# TYPE lmcache:num_hit_tokens_total counter",
+            f"lmcache:num_hit_tokens_total{{{lml}}} {float(c.retrieved_tokens)}"]
     out += ["# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{{lab},finished_reason="length"}} {float(c.requests_ok)}',

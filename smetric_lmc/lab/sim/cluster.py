@@ -196,7 +196,9 @@ class Simulator:
             else LoadTracker(clock=lambda: self.now)
         )  # fmt: skip
         self.router = Router(self.index, self.load, policy, disaggregated=cfg.pd)
-        self.price_feed = prices_hook.attach(self.router, policy)  # learns prices from done reports only
+        self.price_feed = prices_hook.attach(self.router, policy)  # learns prices from done reports
+        # ... and from the retrieves the engines' metrics would show
+        self.retrieve_polls = prices_hook.RetrievePolls(self.price_feed) if self.price_feed is not None else None
         prof = self.profile
         self.instances: list[Instance] = []
         self.by_id: dict[str, Instance] = {}
@@ -463,6 +465,7 @@ class Simulator:
             # Decode runs on the separate decode pool at a fixed pace.
             done = t + (r.output - 1) * self.cfg.pd_decode_tpot_s
         prices_hook.report_done(self.price_feed, r, done)
+        prices_hook.report_retrieve(self.retrieve_polls, r, done)
         self._next(r.session, r.idx, done)
 
     def _next(self, sess: _Session, k: int, t: float) -> None:
