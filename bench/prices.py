@@ -123,6 +123,7 @@ def _capture_at(feed: PriceFeed, n: int, out: dict[str, Any], clock: Any = None)
         ok = inner(*a, **kw)
         if ok and feed.stats["observed"] == n:
             out["at_n"] = feed.book.pooled.prices()
+            out["retrieve_at_n"] = feed.book.pooled.retrieve_prices()
         return ok
 
     feed.on_done = on_done  # type: ignore[method-assign]
@@ -151,9 +152,14 @@ def sim_accuracy(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
         "fetch_price_rel_err": round(abs(learned.fetch_global_us / f_true - 1), 4),
         "prefill_price_rel_err": round(abs(learned.prefill_token_us(ctx) / p_true - 1), 4),
     }
+    # the retrieve fit (the retrieves the engines' metrics would show; it decides nothing)
+    retrieve = got.get("retrieve_at_n") if "at_n" in got else sim.price_feed.book.pooled.retrieve_prices()
+    if retrieve:
+        out.update(retrieve_fit_fetch_us=round(retrieve["fetch_global_us"], 2),
+                   retrieve_fit_fetch_rel_err=round(abs(retrieve["fetch_global_us"] / f_true - 1), 4))
     log(f"[1] sim, {n} done reports ({out['wall_s']} s): fetch {out['fetch_learned_us']} µs/token learned vs "
-        f"{out['fetch_true_us']} true (prior 4.0); prefill at {ctx} tokens {out['prefill_learned_us']} vs "
-        f"{out['prefill_true_us']} µs/token")
+        f"{out['fetch_true_us']} true (prior 4.0; the retrieve fit {out.get('retrieve_fit_fetch_us')}); "
+        f"prefill at {ctx} tokens {out['prefill_learned_us']} vs {out['prefill_true_us']} µs/token")
     return out
 
 
@@ -345,13 +351,11 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
     # every reuse is a global-tier fetch (turns go to other instances): the connector reuse the
     # router could not predict is the global tier's
     feed = PriceFeed(unpredicted="global")
-    # the same done reports without the engines' retrieve metrics: what they add, side by side
-    done_only = PriceFeed(unpredicted="global")
     per_tok_true = (prof.kv_bytes_per_token / (a.live_gbps * 1e9) + 0.1e-3 / LMCACHE_CHUNK_TOKENS) * 1e6
     rng = random.Random(7)
     sessions: list[list[int]] = []
     used: list[set[int]] = []  # instances each session's turns ran on
-    trace: list[tuple[int, float, float]] = []  # (done, learned fetch price, the done-reports-only one)
+    trace: list[tuple[int, float, float]] = []  # (done, the TTFT fit's fetch price, the retrieve fit's)
     done = 0
     slow_from: int | None = None
     flight, queued = [0] * n_inst, [0] * n_inst
@@ -385,8 +389,7 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             used[sid].add(iid)
             rid = f"r{k}"
             # the queue it joins, as the controller's load tracker would count it
-            for f in (feed, done_only):
-                f.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, float(queued[iid]), float(flight[iid]))
+            feed.on_routed(rid, f"mock-{iid}", len(prompt), 0, 0, float(queued[iid]), float(flight[iid]))
             flight[iid] += 1
             queued[iid] += len(prompt)
             t0 = time.perf_counter()
@@ -398,14 +401,14 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             queued[iid] -= len(prompt)
             cached = body.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")
             # wall seconds x speed = the engines' model seconds, the unit the true price is in
-            for f in (feed, done_only):
-                f.on_done(rid, ttft_s=ttft * a.live_speed, cached_tokens=cached, prompt_tokens=len(prompt))
+            feed.on_done(rid, ttft_s=ttft * a.live_speed, cached_tokens=cached, prompt_tokens=len(prompt))
             if a.debug and k % 20 == 0:
                 log(f"debug L={len(prompt)} cached={cached} ttft_model_s={ttft * a.live_speed:.3f} turn={turn}")
             done += 1
             if turn:
+                retrieve = feed.book.pooled.retrieve_prices()
                 trace.append((done, feed.book.pooled.prices().fetch_global_us,
-                              done_only.book.pooled.prices().fetch_global_us))
+                              retrieve["fetch_global_us"] if retrieve else float("nan")))
 
         total = a.requests + a.requests // 2
         k = 0
@@ -420,14 +423,14 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
             k += batch
             if k % 250 < batch:
                 log(f"[4] live: {k}/{total} requests, learned fetch {feed.book.pooled.prices().fetch_global_us:.2f} "
-                    f"µs/token, from done reports alone {done_only.book.pooled.prices().fetch_global_us:.2f} "
-                    f"({time.monotonic() - t_start:.0f} s)")
+                    f"µs/token, retrieve {trace[-1][2] if trace else float('nan'):.2f} ({time.monotonic() - t_start:.0f} s)")
         await poller.close()
         await asyncio.gather(polling, return_exceptions=True)
     after_true = 4 * per_tok_true
     out: dict[str, Any] = {"live_fetch_true_us": round(per_tok_true, 2), "after_slowdown_true_us": round(after_true, 2),
                            "speed": a.live_speed, "retrieve_polls": feed.stats["retrieve_polls"]}
-    for col, tag in ((1, ""), (2, "_done_only")):
+    # the TTFT fit's fetch price (what decisions use) and the retrieve fit's (LMCache's metrics)
+    for col, tag in ((1, ""), (2, "_retrieve_fit")):
         before = [t[col] for t in trace if t[0] <= a.requests]
         learned = before[-1] if before else float("nan")
         # how soon each finds the price: the error after a quarter of the requests
@@ -439,7 +442,7 @@ async def _live(a: argparse.Namespace, prof: Profile) -> dict[str, Any]:
                     f"live_fetch_price_rel_err{tag}": round(abs(learned / per_tok_true - 1), 4),
                     f"live_fetch_rel_err_at_quarter{tag}": round(abs(early[-1] / per_tok_true - 1), 4) if early else None,
                     f"after_slowdown_learned_us{tag}": round(last, 2), f"requests_to_follow_slowdown{tag}": follow})
-        log(f"[4] live{tag.replace('_', ' ') or ' (done reports and retrieve metrics)'}: fetch {learned:.2f} µs/token "
+        log(f"[4] live{tag.replace('_', ' ') or ' TTFT fit'}: fetch {learned:.2f} µs/token "
             f"learned vs {per_tok_true:.2f} true after {a.requests} requests "
             f"({out[f'live_fetch_rel_err_at_quarter{tag}']} off after {a.requests // 4}); after the 4x slowdown "
             f"{last:.2f} vs {after_true:.2f} (within 20% after {follow} requests)")

@@ -28,8 +28,9 @@ class PriceCollector(Collector):
     ``smetric_price_rel_std{backend,price}`` (its relative standard error),
     ``smetric_price_ttft_noise{backend}`` (the TTFT fit's relative residual scale: ``smetric_ect`` moves a
     follow-up off its holder only for a saving above ``move_z`` times it) and
-    ``smetric_price_observations{backend}`` and ``smetric_price_retrieve_observations{backend}`` (engine
-    metrics polls whose LMCache retrieves it learned from), read at scrape time (``backend`` as in controller/metrics.py)."""
+    ``smetric_price_observations{backend}``, and from LMCache's retrieve metrics
+    ``smetric_price_retrieve{backend,price}`` (µs: the retrieve fit, which decides nothing) and
+    ``smetric_price_retrieve_observations{backend}`` (the polls it learned from), read at scrape time (``backend`` as in controller/metrics.py)."""
 
     def __init__(self, feed: PriceFeed) -> None:
         self._feed = feed
@@ -50,6 +51,8 @@ class PriceCollector(Collector):
                                 labels=["backend", "price"])
         obs = GaugeMetricFamily("smetric_price_observations", "done reports a price fit has learned from",
                                 labels=["backend"])
+        rprice = GaugeMetricFamily("smetric_price_retrieve", "retrieve price measured by LMCache's metrics (µs)",
+                                   labels=["backend", "price"])
         retr = GaugeMetricFamily("smetric_price_retrieve_observations",
                                  "engine metrics polls of LMCache retrieves a price fit has learned from",
                                  labels=["backend"])
@@ -62,10 +65,13 @@ class PriceCollector(Collector):
             for k, v in est.confidence().items():
                 rel.add_metric([iid, k], v)
             obs.add_metric([iid], p.observations)
-            retr.add_metric([iid], est.retrieves)
+            retr.add_metric([iid], est.retrieve.n if est.retrieve is not None else 0)
+            for k, v in (est.retrieve_prices() or {}).items():
+                rprice.add_metric([iid, k], v)
             noise.add_metric([iid], p.ttft_rel_noise)
         yield from fams.values()
         yield rel
         yield obs
+        yield rprice
         yield retr
         yield noise

@@ -11,8 +11,14 @@ Per instance it fits one linear model of a request's time to first token (µs)::
          + in_flight * inflight_us                         batched requests slowing its prefill
 
 Where the engines export LMCache's retrieve metrics, each poll's retrieves (their mean time and
-size) are one more equation of the same model with only the fetch terms present
-(``observe_retrieve``): the retrieve price measured on its own rather than inferred from TTFT.
+size) feed a separate fit of the retrieve itself (``observe_retrieve``)::
+
+    retrieve = n_glob * fetch_global_us + fetch_global_fixed_us   (or the local CPU tier's prices)
+
+It is reported beside the TTFT model's fetch prices and decides nothing: those say what a fetch
+costs the request's TTFT, waits on the other loads of its step and on shared links included, which
+is what a decision weighs; fed into the TTFT fit, the bare retrieve time pulled its fetch prices
+down and the variant's decisions with them (docs/prices.md).
 
 and one of the time per output token after the first (µs)::
 
@@ -58,6 +64,8 @@ TTFT_PRICES: tuple[str, ...] = (
     "fixed_us", "prefill_us", "prefill_us_per_ktok", "fetch_global_us", "fetch_global_fixed_us",
     "fetch_local_us", "fetch_local_fixed_us", "queue_us_per_tok", "inflight_us",
 )  # fmt: skip
+#: The retrieve fit's coefficients (LMCache's retrieve metrics): a subset of the TTFT model's names.
+RETRIEVE_PRICES: tuple[str, ...] = ("fetch_global_us", "fetch_global_fixed_us", "fetch_local_us", "fetch_local_fixed_us")
 #: The decode model's coefficients.
 TPOT_PRICES: tuple[str, ...] = ("decode_us", "decode_us_per_req")
 PRICE_NAMES: tuple[str, ...] = TTFT_PRICES + TPOT_PRICES
@@ -173,10 +181,8 @@ class RobustRLS:
     def theta(self) -> np.ndarray:
         return self.t * self.unit
 
-    def update(self, x: np.ndarray, y: float, aux: bool = False) -> float:
-        """Fold in y ~ theta . x; returns the Huber weight the observation got. An ``aux`` row (a
-        part of the time measured on its own: a retrieve) moves the prices only: the noise scale and
-        the prediction error stay the requests' own (the variant's move margin reads the noise)."""
+    def update(self, x: np.ndarray, y: float) -> float:
+        """Fold in y ~ theta . x; returns the Huber weight the observation got."""
         cfg = self._cfg
         scale = max(abs(y), 1e-9)  # relative equations (noise grows with the request), linear in t
         xs = x * self.unit / scale
@@ -196,8 +202,6 @@ class RobustRLS:
         cap = self._cap * np.maximum(1.0, self.t * self.t)
         sc = np.minimum(1.0, np.sqrt(cap / np.maximum(P.diagonal(), 1e-30)))
         self.P = P * (sc[:, None] * sc)
-        if aux:
-            return w
         # robust noise scale: an outlier moves it by at most its clipped size
         clipped = min(abs(r), 3.0 * self.noise)
         self.noise += cfg.noise_rate * (clipped * 1.2533 - self.noise)
@@ -224,6 +228,56 @@ class RobustRLS:
         return np.sqrt(np.maximum(data_var, np.maximum(self.P.diagonal(), 0.0))) * self.unit
 
 
+class RetrieveFit:
+    """The retrieve's own price from the engines' retrieve metrics: each poll's mean retrieve time
+    against its mean size, by exponentially weighted least squares on relative equations (noise
+    grows with the retrieve), Huber-weighted, with a weak ridge to the prior (a price no retrieve
+    exercised, the local CPU tier's where every fetch is global, stays at the prior). Each equation
+    is weighted by its predicted time (not its observed one, which would weigh a retrieve that
+    slowed down less than the ones before it). A direct
+    measurement of two numbers per tier needs none of the TTFT fit's caution: from a prior 30x off
+    it finds the price in a handful of polls, and ``forget`` (the TTFT fit's ``fast_forget``) follows
+    a step within a few dozen."""
+
+    __slots__ = ("prior", "A", "b", "n", "noise", "_forget", "_ridge", "_theta")
+
+    RIDGE = 1e-6  # the prior's weight: only a price no retrieve exercised keeps it
+
+    def __init__(self, prior: Sequence[float], forget: float, noise0: float) -> None:
+        self.prior = np.asarray(prior, dtype=np.float64)
+        d = len(self.prior)
+        self._ridge = self.RIDGE / np.maximum(self.prior, 1e-9) ** 2
+        self.A = np.zeros((d, d))
+        self.b = np.zeros(d)
+        self.n = 0
+        self.noise = noise0
+        self._forget = forget
+        self._theta: np.ndarray | None = None
+
+    @property
+    def theta(self) -> np.ndarray:
+        if self._theta is None:
+            self._theta = np.linalg.solve(self.A + np.diag(self._ridge), self.b + self._ridge * self.prior)
+        return self._theta
+
+    def update(self, x: np.ndarray, y: float) -> None:
+        pred = float(self.theta @ x) if self.n else y
+        r = 1.0 - pred / y if self.n else 0.0
+        k = 3.0 * self.noise
+        w = (1.0 if abs(r) <= k else k / abs(r)) / max(pred, 1e-9) ** 2
+        self.A = self.A * self._forget + w * (x[:, None] * x)
+        self.b = self.b * self._forget + w * y * x
+        self._theta = None
+        if self.n:
+            self.noise += 0.05 * (min(abs(r), k) * 1.2533 - self.noise)
+            self.noise = max(self.noise, 1e-3)
+        self.n += 1
+
+    def rel_std(self) -> np.ndarray:
+        cov = np.linalg.inv(self.A + np.diag(self._ridge)) * self.noise**2
+        return np.sqrt(np.maximum(cov.diagonal(), 0.0)) / np.maximum(np.abs(self.theta), 1e-9)
+
+
 class TwoRateRLS:
     """A slow robust fit (reported) shadowed by a fast one: when the fast one has predicted clearly
     better for a while (a price stepped: the fetch path slowed), the slow one adopts its state.
@@ -247,14 +301,9 @@ class TwoRateRLS:
         self._since = 0
         self._ref_since = 0
 
-    def update(self, x: np.ndarray, y: float, ref: RobustRLS | None = None, aux: bool = False) -> None:
-        """Fold in y ~ theta . x; ``ref`` (not yet updated with it) is the fit this one may adopt. An
-        ``aux`` row moves both fits' prices and nothing else (see ``RobustRLS.update``)."""
+    def update(self, x: np.ndarray, y: float, ref: RobustRLS | None = None) -> None:
+        """Fold in y ~ theta . x; ``ref`` (not yet updated with it) is the fit this one may adopt."""
         cfg = self._cfg
-        if aux:
-            self.slow.update(x, y, aux=True)
-            self.fast.update(x, y, aux=True)
-            return
         if ref is not None:
             # the reference's relative prediction error, clipped as this fit clips its own
             r = 1.0 - float(ref.theta @ x) / y if y > 0 else 1.0
@@ -312,11 +361,12 @@ def _nonneg(v: float) -> float:
 
 
 class InstanceEstimator:
-    __slots__ = ("ttft", "tpot", "mean_output", "global_share", "retrieves", "version", "_cache", "_vals", "_rel",
-                 "_data_se")
+    __slots__ = ("ttft", "tpot", "mean_output", "global_share", "retrieve", "version", "_cfg", "_priors",
+                 "_cache", "_vals", "_rel", "_data_se")
 
     def __init__(self, cfg: EstimatorConfig) -> None:
         pr = {**DEFAULT_PRIORS, **cfg.priors}
+        self._cfg, self._priors = cfg, pr
         self.ttft = TwoRateRLS([pr[k] for k in TTFT_PRICES], cfg)
         self.tpot = TwoRateRLS([pr[k] for k in TPOT_PRICES], cfg)
         self.mean_output = 0.0
@@ -324,7 +374,7 @@ class InstanceEstimator:
         # the local CPU tier): how a retrieve measured on the engine splits between the two prices.
         # The paper's deployment (a GPU local tier, a CPU pool behind RDMA) fetches only globally.
         self.global_share = 1.0
-        self.retrieves = 0  # retrieve observations learned from (engine metrics)
+        self.retrieve: RetrieveFit | None = None  # the retrieve fit (engine metrics), from the first poll on
         self.version = 0  # bumped by every observation: what a cached derivative was computed from
         self._cache: InstancePrices | None = None
         self._vals: tuple[float, ...] | None = None
@@ -353,17 +403,20 @@ class InstanceEstimator:
 
     def observe_retrieve(self, mean_s: float, mean_tokens: float) -> None:
         """The engine's retrieves over an interval (LMCache's retrieve histogram): their mean time and
-        size are one equation of the TTFT model's fetch part alone, split between the global tier and
-        the local CPU tier by this instance's ``global_share``. It pins the retrieve price directly,
-        where the done reports see it only through TTFT, mixed with compute and queueing."""
+        size, one observation of the retrieve fit, split between the global tier and the local CPU tier
+        by this instance's ``global_share``."""
         if not (mean_s > 0 and math.isfinite(mean_s) and mean_tokens >= 0 and math.isfinite(mean_tokens)):
             return
+        if self.retrieve is None:
+            pr = self._priors
+            self.retrieve = RetrieveFit([pr[k] for k in RETRIEVE_PRICES], self._cfg.fast_forget, self._cfg.noise0)
         sg = self.global_share
-        x = np.zeros(len(TTFT_PRICES))
-        x[3], x[4], x[5], x[6] = mean_tokens * sg, sg, mean_tokens * (1.0 - sg), 1.0 - sg
-        self.ttft.update(x, mean_s * 1e6, aux=True)
-        self.retrieves += 1
-        self._changed()
+        self.retrieve.update(np.array([mean_tokens * sg, sg, mean_tokens * (1.0 - sg), 1.0 - sg]), mean_s * 1e6)
+
+    def retrieve_prices(self) -> dict[str, float] | None:
+        """The retrieve fit's prices (µs; RETRIEVE_PRICES), None before any retrieve was observed."""
+        r = self.retrieve
+        return None if r is None else {k: _nonneg(float(v)) for k, v in zip(RETRIEVE_PRICES, r.theta)}
 
     def observe_tpot(self, tpot_s: float, running: float, ref: InstanceEstimator | None = None) -> None:
         """A time per output token at a batch of ``running`` requests (a done report or /metrics)."""
@@ -500,6 +553,14 @@ class PriceBook:
     def snapshot(self) -> dict[str, object]:
         """Estimates and their confidence (relative standard errors), per instance and pooled."""
 
+        def one_retrieve(e: InstanceEstimator) -> dict[str, object] | None:
+            r = e.retrieve
+            if r is None:
+                return None
+            return {"prices": {k: round(v, 3) for k, v in (e.retrieve_prices() or {}).items()},
+                    "rel_std": {k: round(float(v), 4) for k, v in zip(RETRIEVE_PRICES, r.rel_std())},
+                    "observations": r.n, "global_share": round(e.global_share, 4)}
+
         def one(e: InstanceEstimator) -> dict[str, object]:
             p = e.prices()
             return {
@@ -509,7 +570,7 @@ class PriceBook:
                 "mean_output": round(p.mean_output, 1),
                 "switches": e.ttft.switches,
                 "adopted_cluster": e.ttft.ref_adoptions,
-                "retrieves": e.retrieves,
+                "retrieve": one_retrieve(e),
                 "noise": round(float(e.ttft.slow.noise), 4),
             }
 

@@ -144,6 +144,8 @@ async def exported() -> Any:
                     assert resp.status == 200
                     await resp.read()
             assert app.metrics_server is not None
+            # an engine's LMCache retrieves, as the engine-metrics poller hands them over (it is off here)
+            app._observe_retrieve("e0", 2.0, 0.2, 4000.0)
             controller = await scrape(http, f"http://127.0.0.1:{app.metrics_server.port}/metrics")
             for _ in range(100):  # done reports travel after the response
                 gateway = await scrape(http, f"{base}/metrics")
