@@ -257,14 +257,19 @@ class RetrieveFit:
     @property
     def theta(self) -> np.ndarray:
         if self._theta is None:
-            self._theta = np.linalg.solve(self.A + np.diag(self._ridge), self.b + self._ridge * self.prior)
+            try:
+                self._theta = np.linalg.solve(self.A + np.diag(self._ridge), self.b + self._ridge * self.prior)
+            except np.linalg.LinAlgError:  # numerically singular: the least-squares solution instead
+                self._theta = np.linalg.lstsq(self.A + np.diag(self._ridge), self.b + self._ridge * self.prior,
+                                              rcond=None)[0]
         return self._theta
 
     def update(self, x: np.ndarray, y: float) -> None:
         pred = float(self.theta @ x) if self.n else y
         r = 1.0 - pred / y if self.n else 0.0
         k = 3.0 * self.noise
-        w = (1.0 if abs(r) <= k else k / abs(r)) / max(pred, 1e-9) ** 2
+        # a prediction near zero (or below: a fit still far off) must not weigh one poll a millionfold
+        w = (1.0 if abs(r) <= k else k / abs(r)) / max(pred, 0.1 * y) ** 2
         self.A = self.A * self._forget + w * (x[:, None] * x)
         self.b = self.b * self._forget + w * y * x
         self._theta = None
