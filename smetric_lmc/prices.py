@@ -410,7 +410,8 @@ class InstanceEstimator:
         """The engine's retrieves over an interval (LMCache's retrieve histogram): their mean time and
         size, one observation of the retrieve fit, split between the global tier and the local CPU tier
         by this instance's ``global_share``."""
-        if not (mean_s > 0 and math.isfinite(mean_s) and mean_tokens >= 0 and math.isfinite(mean_tokens)):
+        # an engine's nonsense (a retrieve of an hour, a billion tokens) teaches nothing
+        if not (0 < mean_s <= 3600.0 and 0 <= mean_tokens <= 1e9):
             return
         if self.retrieve is None:
             pr = self._priors

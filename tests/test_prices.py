@@ -305,7 +305,8 @@ def test_retrieve_observations_measure_the_retrieve_price_and_decide_nothing() -
         assert snap["observations"] == 37 and snap["prices"]["fetch_global_us"] == pytest.approx(got["fetch_global_us"], abs=1e-3)
     assert alone.snapshot()["instances"]["a"]["retrieve"] is None  # type: ignore[index]
     # nonsense from an engine teaches nothing
-    for bad in ((0.0, 100.0), (float("nan"), 100.0), (0.1, -1.0), (float("inf"), 5.0)):
+    for bad in ((0.0, 100.0), (float("nan"), 100.0), (0.1, -1.0), (float("inf"), 5.0), (0.1, float("nan")),
+                (0.1, 1e300), (1e300, 10.0)):
         both.observe_retrieve("a", *bad)
     assert both.snapshot()["instances"]["a"]["retrieve"]["observations"] == 37  # type: ignore[index]
 
