@@ -132,7 +132,9 @@ def test_the_controller_reports_prices_in_stats_and_prometheus() -> None:
     assert 'smetric_price_fetch_global_us{backend="cluster"} 9.0' in text
     assert 'smetric_price_observations{backend="cluster"} 20.0' in text
     assert 'smetric_price_retrieve_observations{backend="cluster"} 0.0' in text
-    core.router.prices.book.observe_retrieve("a", 0.2, 4000.0)
+    core.router.prices.book.observe_retrieve("i0", 0.2, 4000.0)
+    stats = decode_reply(core.handle(encode(StatsRequest()))).stats  # type: ignore[union-attr]
+    assert stats["prices"]["instances"]["i0"]["retrieve"]["observations"] == 1  # the stats reply carries it
     text = generate_latest(reg).decode()
     assert 'smetric_price_retrieve_observations{backend="cluster"} 1.0' in text
     assert 'smetric_price_retrieve{backend="cluster",price="fetch_global_us"}' in text
