@@ -48,6 +48,12 @@ RETRIEVE_TIME = "lmcache:time_to_retrieve"
 RETRIEVED_TOKENS = "lmcache:num_hit_tokens"
 #: vLLM's /metrics is ~100 KiB; anything far larger is not an engine we understand.
 MAX_BODY_BYTES = 8 << 20
+#: The lines of the families read (their samples, HELP and TYPE), less histogram buckets (only a
+#: histogram's sum and count are read). Only these reach the Prometheus parser: its cost is per
+#: line, and most of vLLM's body is histograms nothing here reads (bench/engine_metrics.py).
+_READ_LINES = tuple(p + f for f in (RUNNING, WAITING, *ITL, RETRIEVE_TIME, RETRIEVED_TOKENS)
+                    for p in ("", "# HELP ", "# TYPE "))
+_BUCKETS = tuple(f + "_bucket" for f in (*ITL, RETRIEVE_TIME))
 RECONCILE_SLICE = 1024  # in-flight entries healed or inferred per slice of the loop (see LoadTracker.reconcile)
 
 
@@ -86,8 +92,10 @@ def parse_engine_metrics(text: str) -> EngineSample:
     itl: dict[str, float] = {}
     lmc: dict[str, float] = {}
     wanted = {RETRIEVE_TIME + "_sum", RETRIEVE_TIME + "_count", RETRIEVED_TOKENS + "_total"}
+    read = "\n".join(line for line in text.splitlines()
+                     if line.startswith(_READ_LINES) and not line.startswith(_BUCKETS))
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(read):
             if family.name in (RUNNING, WAITING):
                 for sample in family.samples:
                     if sample.name == family.name:
