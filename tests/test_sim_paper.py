@@ -55,6 +55,18 @@ def test_sim_paper_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert summary["variant_vs_best_min_over_fetch_axis"] is not None
 
 
+def test_sim_paper_with_slower_instances_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The instances' speed variation reaches the runs and the document names it in its command line."""
+    out = tmp_path / "paper.md"
+    args = argparse.Namespace(quick=False, jobs=1, out=str(out), profile=None, config=None, fetch_path=None,
+                              slowdown_cv=0.08, slowdown_period_s=float("inf"))
+    assert main_paper(args, size=TINY) == 0
+    capsys.readouterr()
+    doc = out.read_text()
+    assert "--slowdown-cv 0.08 --slowdown-period-s inf" in doc
+    assert "log-normal factor (mean 1, CV 0.08)" in doc and "a fixed factor per instance" in doc
+
+
 def test_rows_cover_every_published_quantity_even_without_results() -> None:
     rows = build_rows({})
     assert len(rows) >= 25 and not any(r.within for r in rows if r.kind != "name")

@@ -72,6 +72,12 @@ def _fetch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch-gbs", type=float, help="per-request retrieve throughput cap in GB/s (overrides the path's)")
 
 
+def _slowdown(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slowdown-cv", type=float, help="instances slower for a while: coefficient of variation of "
+                   "each instance's step-time factor (0, off, when not given; docs/simulator.md)")
+    p.add_argument("--slowdown-period-s", type=float, help="how often the factor is redrawn (inf: fixed per instance)")
+
+
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="trace file, folder or archive (WEKA, Bailian, Mooncake, native); "
                    "without it a synthetic workload is generated")
@@ -87,6 +93,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-signal", choices=("router", "scrape"),
                    help="load the policy reads: the router's own in-flight counts, or engine metrics scraped periodically")
     p.add_argument("--scrape-s", type=float, help="scrape period in seconds, with --load-signal scrape")
+    _slowdown(p)
     p.add_argument("--pd", action="store_true", default=None, help="PD disaggregation (prefill-only instances)")
     p.add_argument("--rate", type=float, help="session arrivals per second, the offered load")
     p.add_argument("--rates", help="comma list of offered loads for sweeps (5 around --rate when not given)")
@@ -150,6 +157,7 @@ def add_arguments(p: argparse.ArgumentParser, extra: Sequence[ExtraAction] = ())
     pp.add_argument("--quick", action="store_true", help="8 instances and smaller grids instead of 32")
     pp.add_argument("--out", metavar="FILE", help="the document to write, required (docs/paper.md in a checkout)")
     pp.add_argument("--fetch-path", help="the global tier's retrieve path (lmcache-mooncake-rdma when not given)")
+    _slowdown(pp)
     _common(pp, seed=False)  # its seeds are fixed: tuned on seed 1, judged on seed 0
 
 
@@ -184,6 +192,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         fetch_gbs=args.fetch_gbs,
         load_signal=args.load_signal,
         scrape_s=args.scrape_s,
+        slowdown_cv=args.slowdown_cv,
+        slowdown_period_s=args.slowdown_period_s,
         pd=args.pd,
         arrival=args.arrival,
         seed=args.seed,

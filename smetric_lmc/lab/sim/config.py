@@ -65,6 +65,10 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup_share: float = 0.0
     window_s: float = 60.0  # load-heatmap / imbalance window
     decode_run_max: int = 512  # longest batch of decode iterations advanced in one step
+    # Instances slower for a while (sim/slowdown.py): step times x a log-normal factor of this
+    # coefficient of variation, drawn afresh per instance every slowdown_period_s. 0: off.
+    slowdown_cv: float = 0.0
+    slowdown_period_s: float = 30.0
     # Recorded think times above this are clipped: multi-hour gaps are a user away from the keyboard,
     # and replaying them would stretch a run over days of mostly idle cluster time.
     max_think_s: float = 600.0
@@ -92,6 +96,8 @@ class SimConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("arrival_window_s must be > 0")
         if not 0 <= self.warmup_share < 1:
             raise ValueError("warmup_share must be within [0, 1)")
+        if not (self.slowdown_cv >= 0 and self.slowdown_period_s > 0):
+            raise ValueError("slowdown_cv must be >= 0 and slowdown_period_s > 0")
 
     def fetch(self) -> FetchPath:
         fp = load_fetch_path(self.fetch_path)

@@ -26,6 +26,7 @@ from smetric_lmc.lab.sim.cache import PrefixCache
 from smetric_lmc.lab.sim.global_tier import GlobalTier, Put
 from smetric_lmc.lab.sim.profile import Profile
 from smetric_lmc.lab.sim.request import SimRequest
+from smetric_lmc.lab.sim.slowdown import Slowdown
 
 _MIXED = 1
 _DECODE = 2
@@ -81,6 +82,7 @@ class Instance:
         self._step_dt = 0.0
         self._step_waits = 0
         self._pending_loads = 0
+        self.slowdown = Slowdown(host.cfg.slowdown_cv, host.cfg.slowdown_period_s, host.cfg.seed, pos)
 
     def _removed(self, chain: np.ndarray, s: int, e: int) -> None:
         # One id suffices: the index drops the instance's descendants of a removed block.
@@ -182,7 +184,7 @@ class Instance:
                 n = min(r.todo, budget)
                 chunks.append((r, n))
                 budget -= n
-            dt = prof.iteration_time([(n, r.ctx) for r, n in chunks], n_dec, self.dec_ctx)
+            dt = prof.iteration_time([(n, r.ctx) for r, n in chunks], n_dec, self.dec_ctx) * self.slowdown.factor(now)
             self.seg_kind = _MIXED
             self.seg_chunks = chunks
             self.seg_cum = None
@@ -192,7 +194,7 @@ class Instance:
         elif n_dec:
             k = min(r.output - r.decoded for r in self.decoding)
             k = max(1, min(k, self.sim.cfg.decode_run_max))
-            cum = prof.decode_run_times(n_dec, self.dec_ctx, k)
+            cum = prof.decode_run_times(n_dec, self.dec_ctx, k) * self.slowdown.factor(now)
             dt = float(cum[-1])
             self.seg_kind = _DECODE
             self.seg_cum = cum

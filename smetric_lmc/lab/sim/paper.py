@@ -281,6 +281,7 @@ def default_label(policy: str, cands: list[tuple[str, str, PolicyConfig]]) -> st
 class PaperRun:
     size: PaperSize
     fetch_profile: str
+    slowdown: tuple[float, float] = (0.0, math.inf)  # the instances' step-time factor: (cv, period_s)
     tuning: dict[str, dict[str, tuple[str, float, float]]] = field(default_factory=dict)
     eval: dict[str, KneeResult] = field(default_factory=dict)
     fetch_axis: dict[float, KneeResult] = field(default_factory=dict)
@@ -296,7 +297,7 @@ def run_paper(size: PaperSize, base: SimConfig, prof: Profile, jobs: int = 1) ->
         for s in (size.tune_seed, size.eval_seed)
     }
     cands = candidates(size.grid)
-    run = PaperRun(size, base.fetch_path)
+    run = PaperRun(size, base.fetch_path, (base.slowdown_cv, base.slowdown_period_s))
     steps = tqdm(total=2 + len(size.settings), desc="paper", unit="phase")
     t0 = time.perf_counter()
     # 1. tuning: every grid point, every setting, on the tuning seed
@@ -348,6 +349,21 @@ def run_paper(size: PaperSize, base: SimConfig, prof: Profile, jobs: int = 1) ->
 
 
 # ---- document ------------------------------------------------------------------------------------
+def _slowdown_text(run: PaperRun) -> str:
+    cv, period = run.slowdown
+    if cv == 0:
+        return " Step times are the profile's, the same on every instance (no slowdown)."
+    how = "a fixed factor per instance" if math.isinf(period) else f"redrawn every {period:g} s"
+    return (f" Instances differ in speed: every step takes a log-normal factor (mean 1, CV {cv:g}) times the"
+            f" profile's time, {how} (docs/simulator.md, \"Slower instances\").")
+
+
+def _slowdown_flags(base: SimConfig) -> str:
+    if base.slowdown_cv == 0:
+        return ""
+    return f" --slowdown-cv {base.slowdown_cv:g} --slowdown-period-s {base.slowdown_period_s:g}"
+
+
 def summary_line(run: PaperRun, rows: list[Row]) -> dict[str, Any]:
     full, none = run.eval.get("full"), run.eval.get("none")
     fa = [kr.ratio(VARIANT, (*BASELINES, LMETRIC_TUNED)) for kr in run.fetch_axis.values()]
@@ -384,7 +400,7 @@ def document(run: PaperRun, rows: list[Row], summary: dict[str, Any], command: s
         f"Command: `{command}` — run {now}, {run.elapsed_s / 60:.0f} min"
         f" ({size.label} size: {size.instances} instances, {size.window_s:g} s arrival windows of the `trace1` preset,"
         f" {size.roots} root sessions per seed). Profile `{prof.name}`; global-tier fetch path"
-        f" `{run.fetch_profile}` (its constants and their sources: docs/simulator.md, \"Fetch path\").\n",
+        f" `{run.fetch_profile}` (its constants and their sources: docs/simulator.md, \"Fetch path\").{_slowdown_text(run)}\n",
         "Setup (§4.1 / §5.1): PD colocation with the global tier none / 0.4 / 1.6 / full, and PD disaggregation with"
         " a full tier for the prefill rows; each policy's maximum TPS within SLO over an offered-load sweep around"
         " the knee (`sim/knee.py`). Baselines and our variant are tuned per setting on seed"
@@ -446,12 +462,15 @@ def main_paper(args: argparse.Namespace, size: PaperSize | None = None) -> int:
         return 2
     try:
         prof = load_profile(getattr(args, "profile", None) or "qwen3-30b-a3b-h20")
-        base = load_sim_config(getattr(args, "config", None), fetch_path=getattr(args, "fetch_path", None))
+        base = load_sim_config(getattr(args, "config", None), fetch_path=getattr(args, "fetch_path", None),
+                               slowdown_cv=getattr(args, "slowdown_cv", None),
+                               slowdown_period_s=getattr(args, "slowdown_period_s", None))
     except (ValueError, OSError) as e:
         raise SystemExit(f"smetric sim paper: {e}") from None
     run = run_paper(size, base, prof, getattr(args, "jobs", 1) or 1)
     rows = build_rows(run.eval)
     summary = summary_line(run, rows)
-    cmd = f"smetric sim paper {out_option(out)}" + (" --quick" if size is QUICK else "") + f" --jobs {getattr(args, 'jobs', 1) or 1}"
+    cmd = (f"smetric sim paper {out_option(out)}" + (" --quick" if size is QUICK else "") + _slowdown_flags(base)
+           + f" --jobs {getattr(args, 'jobs', 1) or 1}")
     doc = document(run, rows, summary, cmd, prof)
     return write_document(out, doc, summary)
