@@ -173,10 +173,11 @@ def ratio(kr: KneeResult | None, policy: str, baselines: Sequence[str] = JUDGE_B
 
 # What the model lacks, per quantity, when a row misses (each names a mechanism; "guess" where unsure).
 LACKS = {
-    "imbalance": "per-step time variance and what drives a queue: the model's step times are deterministic (no "
+    "imbalance": "per-step time variance and what drives a queue: the model's step times are the profile's (no "
                  "stragglers, no MoE expert-load skew, no preemption), so in-flight tokens pile up on an instance only "
                  "when the policy sends it more than it serves; load-balance-only and SMetric count in-flight requests "
-                 "exactly, which caps that",
+                 "exactly, which caps that. Tested: a fixed per-GPU speed spread (CV 8%, --slowdown-cv 0.08) brings "
+                 "Bailian's rows within, not LMetric's (docs/paper-gpu-variation.md)",
     "local_hit_lb": "how often a user's prompt variant is already in the landing GPU: the preset draws 16 root sessions "
                     "per user (from Fig. 5's system-prompt share) and the run re-draws them into ~4 starts per root over "
                     "600 s, so a variant sits on several GPUs at once; the paper's sampled replay of a larger trace "
