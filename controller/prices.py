@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def make_feed(policy: PolicyConfig) -> PriceFeed:
     """A feed whose prior is the configured variant's prices (its defaults for any other policy)."""
     params = policy.params if policy.name.startswith("smetric_ect") else {}
-    return PriceFeed(PriceBook(EstimatorConfig(priors=ECTParams.from_params(params).prior_prices())))
+    return PriceFeed(PriceBook(EstimatorConfig(**ECTParams.from_params(params).estimator_settings())))  # type: ignore[arg-type]
 
 
 class PriceCollector(Collector):

@@ -5,6 +5,8 @@ reports only)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -202,6 +204,22 @@ def test_decisions_compare_instances_at_the_cluster_price_unless_one_differs_sig
     assert book.decision_prices("new") == book.pooled.prices()
     with pytest.raises(ValueError, match="shrink_z"):
         EstimatorConfig(shrink_z=-1.0)
+
+
+def test_the_variants_shrink_z_reaches_the_controller_and_the_simulator() -> None:
+    """``policy.params.shrink_z`` sets the estimator's shrinkage wherever the variant learns prices."""
+    from smetric_lmc.config import PolicyConfig
+    from smetric_lmc.controller.prices import make_feed
+    from smetric_lmc.lab.sim.prices_hook import attach
+
+    pol = PolicyConfig(name="smetric_ect", params={"shrink_z": 0.5})
+    assert make_feed(pol).book.cfg.shrink_z == 0.5
+    assert make_feed(PolicyConfig(name="smetric_ect")).book.cfg.shrink_z == EstimatorConfig().shrink_z == 2.0
+    router = SimpleNamespace(policy=SimpleNamespace(needs={"prices"}), prices=None)  # what attach reads
+    feed = attach(router, pol)  # type: ignore[arg-type]
+    assert feed is not None and feed.book.cfg.shrink_z == 0.5
+    with pytest.raises(ValueError, match="shrink_z"):
+        make_feed(PolicyConfig(name="smetric_ect", params={"shrink_z": -1}))
 
 
 def test_an_instance_fit_that_lags_the_cluster_adopts_the_cluster_fit() -> None:

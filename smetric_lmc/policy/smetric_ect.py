@@ -141,6 +141,9 @@ class ECTParams:
     # a follow-up leaves the instance holding its KV only when the saving is significant: above z
     # standard deviations of the two costs' prediction error (the learned TTFT fit's relative noise)
     move_z: float = 1.0
+    # the learned prices a decision compares: each instance's own only as far as it differs from the
+    # cluster's by more than this many standard errors (smetric_lmc.prices.EstimatorConfig.shrink_z)
+    shrink_z: float = 2.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, float], hit_ratio: float = 0.5) -> ECTParams:
@@ -161,6 +164,10 @@ class ECTParams:
                 "fetch_global_us": self.fetch_us, "fetch_global_fixed_us": self.fetch_fixed_us,
                 "queue_us_per_tok": self.queue_us_per_tok, "inflight_us": self.inflight_us,
                 "decode_us_per_req": self.decode_us_per_req}
+
+    def estimator_settings(self) -> dict[str, object]:
+        """The price estimator's settings these parameters fix (``EstimatorConfig(**...)``)."""
+        return {"priors": self.prior_prices(), "shrink_z": self.shrink_z}
 
 
 def ect_scores(view: ClusterView, p: ECTParams) -> list[float]:

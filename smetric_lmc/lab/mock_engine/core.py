@@ -181,7 +181,9 @@ class MockEngineCore:
         self.none_hash_seed = none_hash_seed
         self.publisher = publisher
         host = SimpleNamespace(
-            cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval), kv_load_mode="sync"),
+            # the engine's own speed is --speed; the simulator's per-instance slowdown stays off
+            cfg=SimpleNamespace(pd=False, decode_run_max=max(1, stream_interval), kv_load_mode="sync",
+                                slowdown_cv=0.0, slowdown_period_s=1.0, seed=0),
             index=_Index(self),
             gtier=tiers,
             push_segment=self._push_segment,

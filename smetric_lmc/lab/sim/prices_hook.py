@@ -25,8 +25,8 @@ def attach(router: Router, policy: PolicyConfig) -> PriceFeed | None:
     the policy's configured prices (as in the controller)."""
     if "prices" not in router.policy.needs:
         return None
-    prior = ECTParams.from_params(policy.params).prior_prices() if policy.name.startswith("smetric_ect") else {}
-    router.prices = PriceFeed(PriceBook(EstimatorConfig(priors=prior)))
+    settings = ECTParams.from_params(policy.params).estimator_settings() if policy.name.startswith("smetric_ect") else {}
+    router.prices = PriceFeed(PriceBook(EstimatorConfig(**settings)))  # type: ignore[arg-type]
     return router.prices
 
 
