@@ -584,9 +584,9 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
     try:
         router.start()
         asyncio.run(_latency(infos[0].http_url, router.url, 30, 100))  # warm-up (connections, caches)
-        c0 = _contention()
+        c0, cpu0 = _contention(), router.cpu_s()
         triples = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
-        c1 = _contention()
+        c1, cpu1 = _contention(), router.cpu_s()
     finally:
         router.stop()
         for g in groups:
@@ -596,6 +596,8 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
     out["steal"] = (c1[0] - c0[0]) / max(1.0, c1[1] - c0[1])
     out["runnable"] = (c0[2] + c1[2]) / 2  # tasks wanting a CPU, at the start and end of the phase
     out["loadavg1"] = os.getloadavg()[0]
+    # the router's CPU per request it proxied (its processes, all threads; background work included)
+    out["router_cpu_ms_per_req"] = (cpu1 - cpu0) * 1e3 / max(1, len(triples))
     return out
 
 
@@ -907,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{k}/{total}] added latency {conf.name}: p50 {a['p50_ms']:.2f} ms, p90 {a['p90_ms']:.2f} ms, "
                   f"p99 {a['p99_ms']:.2f} ms over {a['pairs']:.0f} pairs (straight p50 {a['direct_p50_ms']:.2f} ms; "
                   f"the probe's own noise, straight minus straight: p50 {a['noise_p50_ms']:.2f}, "
-                  f"p99 {a['noise_p99_ms']:.2f} ms; "
+                  f"p99 {a['noise_p99_ms']:.2f} ms; router CPU {a['router_cpu_ms_per_req']:.2f} ms per request; "
                   f"steal {a['steal']:.1%}, runnable {a['runnable']:.0f}, load {a['loadavg1']:.1f} on "
                   f"{os.cpu_count()} CPUs)", flush=True)
     finally:
