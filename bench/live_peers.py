@@ -215,6 +215,11 @@ EVENT_ARGS = ("--topic", "")
 SESSION_HEADERS = {"ours": ("X-SMetric-Session",), "vllm": ("x-session-id",), "sglang": ("X-SMG-Routing-Key",)}
 GATEWAY_TOKENIZE = "local"  # our gateway's tokenizer: "local" (--tokenizer) or "engine" (/tokenize); --gateway-tokenize
 MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
+# What our controller knows of the global tier: "redis" (the default since 2026-12-07): each cluster
+# gets its own redis-server, the mock names its tier's chunks there as LMCache's redis connector does
+# and our controller follows them (global_store kind redis), as it follows a real LMCache + Redis;
+# "none" (the runs before): the tier is invisible to it. The peers model no global tier either way.
+GLOBAL_VIEW = "redis"
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -246,10 +251,12 @@ def _cpu_ticks3() -> tuple[float, float, float]:
 class Router:
     """One router configuration running in front of ``infos``; ``url`` takes OpenAI requests."""
 
-    def __init__(self, conf: RouterConf, infos: list[MockInstance], workdir: Path) -> None:
+    def __init__(self, conf: RouterConf, infos: list[MockInstance], workdir: Path,
+                 store_url: str | None = None) -> None:
         self.conf = conf
         self.infos = infos
         self.workdir = workdir
+        self.store_url = store_url  # the Redis that names the cluster's global tier (ours reads it)
         self.groups: list[launch.ProcessGroup] = []
         self.url = ""
         self.metrics_url = ""
@@ -270,6 +277,8 @@ class Router:
                                    policy_overrides=overrides or None, metrics_poll_s=1.0)
         for inst in cfg["instances"]:
             inst["kv_events_topic"] = EVENT_ARGS[1]  # the engines' topic (see EVENT_ARGS)
+        if self.store_url:
+            cfg["global_store"] = {"kind": "redis", "url": self.store_url}
         path = up.write_config(cfg, self.workdir / "smetric.yaml")
         if not one_process:
             self.groups.append(up.start_controller(path, metrics_port, self.workdir))
@@ -374,7 +383,7 @@ def router_counters(url: str, family: str) -> dict[str, float]:
     text = asyncio.run(main())
     # ours: also the learned TTFT fit's noise (smetric_ect's move margin scales with it)
     keep = {"ours": ("smetric_route_decisions_total", "smetric_routed_total", "smetric_decisions_total",
-                     'smetric_price_ttft_noise{backend="cluster"}'),
+                     'smetric_price_ttft_noise{backend="cluster"}', "smetric_route_hit_tokens_total"),
             "vllm": ("vllm_router_prefix_routing_decisions_total", "vllm_router_kv_placement_lookups_total",
                      "vllm_router_policy_decisions_total", "vllm_router_processed_requests_total"),
             "sglang": ("smg_router_", "smg_worker_requests", "policy_decisions", "cache_hits", "cache_misses",
@@ -442,12 +451,20 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
     rows: list[dict[str, Any]] = []
     try:
         with _START_LOCK:  # one cluster starting at a time: a port picked free stays free until bound
+            store_url, extra = None, []
+            if GLOBAL_VIEW == "redis":
+                store = launch.start_global_store("redis", log_dir=work)
+                groups.append(store.process)
+                _register(store.process)
+                store_url = f"redis://{store.address}/0"
+                extra = ["--global-store-keys", store_url]
             started = start_mock_engines(mode.instances, work, processes=1,
-                                         extra_args=[*MOCK_ARGS, "--speed", str(mode.speed)])
-            groups = list({id(g): g for _, g in started}.values())
-            _register(*groups)
+                                         extra_args=[*MOCK_ARGS, *extra, "--speed", str(mode.speed)])
+            mocks = list({id(g): g for _, g in started}.values())
+            groups = mocks + groups  # the mocks stop before their store
+            _register(*mocks)
             infos = [i for i, _ in started]
-            router = Router(conf, infos, work)
+            router = Router(conf, infos, work, store_url)
             _register(router)  # before it starts: a stop meanwhile stops what it has started so far
             router.start()
             _register(router)  # and a stop during its start stops the rest
@@ -501,7 +518,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     steps = max(1, sum(delta("steps")))
     return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
             "workload": wl_name, "rate": rate, "instances": mode.instances, "requests": res["requests"],
-            "failed": res["failed"],
+            "failed": res["failed"], "global_view": GLOBAL_VIEW,
             "tps_slo": res["tps_slo"], "ttft_p50": res.get("ttft_p50"), "ttft_p99": res.get("ttft_p99"),
             "tpot_p50": res.get("tpot_p50"), "tpot_p99": res.get("tpot_p99"),
             "lost_ttft": res.get("tokens_lost_ttft"), "lost_tpot": res.get("tokens_lost_tpot"),
@@ -737,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-tokenize", choices=("local", "engine"), default="local",
                     help="our gateway tokenizes with the mock's tokenizer directory (--tokenizer, as in front of "
                          "vLLM) or with an engine's /tokenize (a round trip per request)")
+    ap.add_argument("--global-view", choices=("redis", "none"), default="redis",
+                    help="(default: %(default)s) our controller follows the mock's global tier through a "
+                         "redis-server per cluster, as it follows LMCache's redis connector; none: it does not see it")
     ap.add_argument("--max-output", type=int, help="cap every answer at this many tokens")
     ap.add_argument("--workloads", help="comma-separated workloads to run (trace1, weka; default: the mode's)")
     ap.add_argument("--sessions", type=int, help="root sessions replayed per run (overrides the mode's)")
@@ -771,8 +791,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.sessions:
         mode.sessions = mode.weka_sessions = args.sessions
-    global GATEWAY_TOKENIZE
+    global GATEWAY_TOKENIZE, GLOBAL_VIEW
     GATEWAY_TOKENIZE = args.gateway_tokenize
+    GLOBAL_VIEW = args.global_view
     if args.latency_pairs:
         mode.latency_requests = args.latency_pairs
     if args.no_latency:

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
 
 from smetric_lmc.backoff import Backoff
 from smetric_lmc.controller.global_common import GlobalTierView, Transition, TransitionBatch

@@ -58,6 +58,11 @@ def test_every_router_routes_the_mock_cluster(tmp_path: Path) -> None:
     kv_hits = max(r["counters"].get('vllm_router_kv_placement_lookups_total{result="hit"}', 0.0)
                   for r in rows if r["router"] == "vllm:kv_aware")
     assert kv_hits > 0, [r["counters"] for r in rows if r["router"] == "vllm:kv_aware"]
+    # Our controller follows the mock's global tier through the cluster's Redis (LMCache's key
+    # layout): its decisions found prefixes there.
+    for r in rows:
+        if r["family"] == "ours":
+            assert r["counters"].get('smetric_route_hit_tokens_total{tier="global"}', 0.0) > 0, r["counters"]
     # The CI mode runs two configurations at once, each on its own cluster: some runs overlapped in time.
     spans = sorted((r["started"], r["started"] + r["wall_s"]) for r in rows)
     assert all(r["parallel"] == 2 for r in rows)

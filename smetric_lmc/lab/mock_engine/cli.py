@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from smetric_lmc.lab.mock_engine.core import MockEngineCore
 from smetric_lmc.lab.mock_engine.kv_events import KVEventPublisher
@@ -35,6 +36,7 @@ from smetric_lmc.lab.mock_engine.retrieve import (
     SharedTiers,
 )
 from smetric_lmc.lab.mock_engine.server import MockEngineServer
+from smetric_lmc.lab.mock_engine.store_keys import StoreKeys
 from smetric_lmc.lab.sim.fetch_path import DEFAULT_FETCH_PATH, fetch_path_names, load_fetch_path
 from smetric_lmc.lab.sim.profile import DEFAULT_PROFILE, GIB, load_profile
 
@@ -80,7 +82,10 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
     runners: list[web.AppRunner] = []
     out: list[tuple[MockInstance, MockEngineCore]] = []
     clock = MockClock(args.speed)
-    tiers = shared_tiers(args, profile, clock)
+    keys = store_keys(args)
+    if keys is not None:
+        await keys.start()
+    tiers = shared_tiers(args, profile, clock, keys)
     watcher: asyncio.Task[None] | None = None
     if args.retrieve_file:
         if tiers is None:
@@ -115,9 +120,22 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
         for _, core in out:
             if core.publisher is not None:
                 await core.publisher.close()
+        if keys is not None:
+            await keys.close()
 
 
-def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock) -> SharedTiers | None:
+def store_keys(args: argparse.Namespace) -> StoreKeys | None:
+    """The writer of the global tier's LMCache keys, when ``--global-store-keys`` asks for one."""
+    if not args.global_store_keys:
+        return None
+    if not args.global_gib:
+        raise ValueError("--global-store-keys names a global tier's chunks: give the tier a size (--global-gib)")
+    return StoreKeys(args.global_store_keys, model=args.served_model_name, block_size=args.block_size,
+                     root=args.lmcache_root, algo=args.lmcache_hash)
+
+
+def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock,
+                 keys: StoreKeys | None = None) -> SharedTiers | None:
     """The process's global tier and its instances' local CPU tiers, as the options say (None when
     neither is asked for: vLLM engines alone, no LMCache)."""
     if args.global_gib < 0 or args.local_cpu_gib < 0:
@@ -136,7 +154,7 @@ def shared_tiers(args: argparse.Namespace, profile: Any, clock: MockClock) -> Sh
     costs = costs.updated(change)
     return SharedTiers(profile, args.block_size, args.instances, clock,
                        global_blocks=int(args.global_gib * GIB // bpb),
-                       local_cpu_blocks=int(args.local_cpu_gib * GIB // bpb), costs=costs)
+                       local_cpu_blocks=int(args.local_cpu_gib * GIB // bpb), costs=costs, keys=keys)
 
 
 def options(**overrides: Any) -> argparse.Namespace:
@@ -178,7 +196,7 @@ def run_mock_engine(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RedisError) as exc:
         log.error("mock-engine failed: %s", exc)
         return 1
     return 0
@@ -221,6 +239,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--local-lookup-ms", type=float, default=None, help="local CPU tier: lookup, ms")
     t.add_argument("--retrieve-file", default=None,
                    help="JSON file of retrieve-cost changes, re-read whenever it changes (as POST /mock/retrieve)")
+    t.add_argument("--global-store-keys", default=None, metavar="REDIS_URL",
+                   help="name the global tier's chunks in this Redis as LMCache's redis connector does "
+                        "(keys only), so a controller with global_store kind redis sees the tier")
+    t.add_argument("--lmcache-hash", default="builtin", choices=("builtin", "sha256_cbor"),
+                   help="(default: %(default)s) LMCache chunk hash of those keys (the controller's hashing.lmcache_hash)")
+    t.add_argument("--lmcache-root", type=int, default=0,
+                   help="(default: %(default)s) LMCache chunk chain root (the controller's hashing.lmcache_root)")
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -260,6 +260,8 @@ class MockEngineCore:
         blocks = np.array([event_hash(d) for d in digests], dtype=np.uint64)
         rid = f"{self.instance_id}-{next(self._ids)}"
         now = self._now()
+        if self.tiers is not None:
+            self.tiers.shared.keys.note_prompt(token_ids, blocks)
         r = SimRequest(rid, 0, None, 0, blocks, n, max_tokens, now)
         h = Handle(rid, list(token_ids), r, blocks, digests[-1] if digests else None)
         r.session = h

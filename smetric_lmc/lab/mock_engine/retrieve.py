@@ -24,13 +24,14 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from smetric_lmc.lab.mock_engine.store_keys import StoreKeys
 from smetric_lmc.lab.sim.cache import Node, PrefixCache
 from smetric_lmc.lab.sim.fetch_path import (
     DEFAULT_FETCH_PATH,
@@ -160,13 +161,17 @@ class TierCounters:
 
 
 class _Sink:
-    """What the simulator's global tier reports its contents to: nobody here (the controller learns a
-    real store's contents from Redis / Mooncake, which the in-process tier is not)."""
+    """What the simulator's global tier reports its contents to without ``--global-store-keys``:
+    nobody (the controller learns a real store's contents from Redis / Mooncake; with that option
+    the tier names its chunks in a real Redis, ``store_keys.StoreKeys``)."""
 
     def global_stored(self, hashes: list[int]) -> None:
         pass
 
     def global_removed(self, hashes: list[int]) -> None:
+        pass
+
+    def note_prompt(self, token_ids: Sequence[int], blocks: np.ndarray) -> None:
         pass
 
 
@@ -181,7 +186,8 @@ class SharedTiers:
     fetch path) and the retrieve costs every fetch pays; ``view(pos)`` is one instance's face of it."""
 
     def __init__(self, profile: Profile, block_size: int, n_instances: int, clock: MockClock, *,
-                 global_blocks: int, local_cpu_blocks: int = 0, costs: RetrieveCosts | None = None) -> None:
+                 global_blocks: int, local_cpu_blocks: int = 0, costs: RetrieveCosts | None = None,
+                 keys: StoreKeys | None = None) -> None:
         self.clock = clock
         self.bs = block_size
         self.bpb = block_size * profile.kv_bytes_per_token
@@ -191,7 +197,9 @@ class SharedTiers:
         n_nodes = max(1, -(-n_instances // profile.instances_per_node))
         self.net = Network(self._schedule)
         self.links = Links(n_instances, n_nodes, profile.host_link_bytes_per_s, profile.link_bytes_per_s)
-        self.tier = GlobalTier(global_blocks, _Sink(), self.net, self.links, self.bpb,  # type: ignore[arg-type]
+        # where the tier's contents are announced (the chunks' LMCache keys in a Redis, or nowhere)
+        self.keys: StoreKeys | _Sink = keys if keys is not None else _Sink()
+        self.tier = GlobalTier(global_blocks, self.keys, self.net, self.links, self.bpb,  # type: ignore[arg-type]
                                fetch_path=self.costs.effective(self.costs.global_), call_at=self.call_at,
                                block_tokens=block_size)
         self.per_node = profile.instances_per_node
