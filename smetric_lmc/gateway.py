@@ -730,6 +730,7 @@ def _decision_headers(t: Target, rid: str, retried_from: str | None) -> dict[str
         "X-SMetric-Reason": t.reason,
         "X-SMetric-Policy": d.policy if d is not None else "round_robin",
         "X-SMetric-Local-Hit": str(d.local_hit_tokens if d is not None else 0),
+        "X-SMetric-Global-Hit": str(d.global_hit_tokens if d is not None else 0),
         "X-SMetric-Est-Hit": str(t.est_hit_tokens or 0),
         "X-SMetric-Turn": "" if t.turn is None else str(t.turn),
         "X-SMetric-Prompt-Tokens": str(t.prompt_tokens),

@@ -5,19 +5,25 @@ GPUs and the store's RDMA cannot run here); the Redis and the controller's adapt
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import time
+import urllib.request
 from collections.abc import Iterable
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 from helpers import RecorderSink, wait_for
-from services import RedisServer, free_port
+from services import RedisServer, free_port, require_redis
 
 from smetric_lmc.controller.global_redis import RedisGlobalTier
 from smetric_lmc.controller.lmcache_keys import format_key
 from smetric_lmc.hashing import lmcache_chunk_chain
 from smetric_lmc.lab.mock_engine.cli import options, run_mock_engine, running_mocks, store_keys
+from smetric_lmc.lab.mock_engine.stack import bring_up_mock
 from smetric_lmc.lab.mock_engine.store_keys import StoreKeys
 from smetric_lmc.lab.mock_engine.vllm_hash import chain_digests, event_hash
 
@@ -94,3 +100,34 @@ def test_the_controller_sees_what_the_mocks_tier_holds() -> None:
 
     with RedisServer() as srv:
         asyncio.run(main(srv.url))
+
+
+@pytest.mark.services
+def test_smetric_up_mock_with_a_global_tier_routes_on_it(tmp_path: Path) -> None:
+    """``smetric up --mock 2 --mock-global-gib 1``: a prompt computed on one instance is, for the
+    controller, in the global tier (the gateway's X-SMetric-Global-Hit), and its redis-server stops
+    with the stack."""
+    require_redis()
+    args = argparse.Namespace(mock=2, mock_processes=1, host="127.0.0.1", port=0, policy="smetric",
+                              mock_args="--speed 20", mock_global_gib=1.0)
+    with pytest.raises(ValueError, match="mock-processes 1"):
+        bring_up_mock(argparse.Namespace(**{**vars(args), "mock_processes": 2}), tmp_path)
+    stack = bring_up_mock(args, tmp_path)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": PROMPT_A, "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"{stack.gateway_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 20
+        while True:  # the put lands, then Redis tells the controller
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status == 200
+                global_hit = int(r.headers["X-SMetric-Global-Hit"])
+            if global_hit or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert global_hit == 31 * 256
+        store = stack.processes[-3]  # mocks' process, the store, then controller and gateway
+        assert store.name == "redis-store" and store.poll() is None
+    finally:
+        stack.stop()
+    assert store.poll() is not None

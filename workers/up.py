@@ -360,7 +360,7 @@ def run_up(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Stop):
         log.info("stopping the stack")
         return 0
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # EngineStartError included
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:  # EngineStartError included
         log.error("smetric up failed: %s", exc)
         return 1
     finally:
@@ -519,6 +519,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
                    help="N mock engines (smetric mock-engine: the simulator's engine model) instead of vLLM")
     p.add_argument("--mock-processes", type=int, default=1, help="processes the mock engines share")
     p.add_argument("--mock-args", default="", help="extra `smetric mock-engine` options, e.g. '--speed 10'")
+    p.add_argument("--mock-global-gib", type=float, default=0.0, metavar="GIB",
+                   help="give the mock engines a shared global tier of this size, named in a redis-server the "
+                        "controller follows (global_store kind redis), as with LMCache's redis connector")
     p.set_defaults(func=run_up)
 
 

@@ -89,10 +89,18 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
     """``smetric up --mock N``: mock engines, then the controller and the gateway for them.
     ``route_timeout_s``: the gateway's wait for a decision (its default when None)."""
     extra = shlex.split(getattr(args, "mock_args", "") or "")
-    started = start_mock_engines(args.mock, workdir, processes=getattr(args, "mock_processes", 1),
-                                 extra_args=extra)
+    processes = getattr(args, "mock_processes", 1)
+    store, store_url = _global_store(args, workdir, processes)
+    if store_url:
+        extra += ["--global-gib", str(args.mock_global_gib), "--global-store-keys", store_url]
+    try:
+        started = start_mock_engines(args.mock, workdir, processes=processes, extra_args=extra)
+    except BaseException:
+        if store is not None:
+            store.stop()
+        raise
     infos = [i for i, _ in started]
-    groups = list({id(g): g for _, g in started}.values())
+    groups = list({id(g): g for _, g in started}.values()) + ([store.process] if store is not None else [])
     engines = [MockEngineHandle(i, g) for i, g in started]
     # Free ports are picked only now: the mock engines' own ports are taken by then (picking before
     # they start could hand the gateway a port one of them binds a moment later).
@@ -106,6 +114,8 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
         cfg = up.controller_config(infos, route_url=stack.route_url,  # type: ignore[arg-type]
                                    metrics_port=metrics_port, policy=args.policy,
                                    policy_overrides=policy_overrides, metrics_poll_s=metrics_poll_s)
+        if store_url:
+            cfg["global_store"] = {"kind": "redis", "url": store_url}
         up.write_config(cfg, stack.config_path)
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         stack.processes.append(up.start_controller(stack.config_path, metrics_port, workdir))
@@ -116,6 +126,19 @@ def bring_up_mock(args: argparse.Namespace, workdir: Path, *, policy_overrides: 
         stack.stop()
         raise
     return stack
+
+
+def _global_store(args: argparse.Namespace, workdir: Path, processes: int) -> tuple[launch.GlobalStore | None, str]:
+    """``--mock-global-gib``: a redis-server where the mock names its global tier's chunks (as
+    LMCache's redis connector does) and the controller follows them; (None, "") without it."""
+    gib = getattr(args, "mock_global_gib", 0.0) or 0.0
+    if not gib:
+        return None, ""
+    if processes != 1:
+        raise ValueError("--mock-global-gib: the instances of one mock process share its global tier; "
+                         "run them in one (--mock-processes 1)")
+    store = launch.start_global_store("redis", log_dir=workdir)
+    return store, f"redis://{store.address}/0"
 
 
 def _tokenizer_dir(workdir: Path) -> Path | None:
