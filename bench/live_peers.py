@@ -374,6 +374,17 @@ def engine_stats(infos: list[MockInstance]) -> list[dict[str, Any]]:
     return asyncio.run(main())
 
 
+def store_key_events(url: str | None) -> int:
+    """Keyspace notifications the cluster's Redis has sent so far: one per key SET, two per chunk DEL
+    (the mock deletes a chunk's two keys with one DEL); 0 without a store."""
+    if not url:
+        return 0
+    import redis
+
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return int(stats.get("cmdstat_set", {}).get("calls", 0)) + 2 * int(stats.get("cmdstat_del", {}).get("calls", 0))
+
+
 def router_counters(url: str, family: str) -> dict[str, float]:
     """The router's own account of its decisions, from its Prometheus text."""
     async def main() -> str:
@@ -485,6 +496,7 @@ def run_group(conf: RouterConf, wl_name: str, wl: Workload, rates: Sequence[floa
 def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_name: str, wl: Workload,
              rate: float, mode: Mode) -> dict[str, Any]:
     before = engine_stats(infos)
+    events0 = store_key_events(router.store_url)
     cpu0, ticks0, t0, start_epoch = router.cpu_s(), _cpu_ticks3(), time.monotonic(), time.time()
     sessions = mode.sessions_at(rate, wl_name)
     scale = mode.context_scale_of(wl_name)
@@ -505,6 +517,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     busy = 1.0 - (ticks[2] - ticks0[2] + ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])
     res = summarize_records(records, load_sim_config(None), conf.name).summary
     after = engine_stats(infos)
+    events = store_key_events(router.store_url) - events0
     counters = summarize_counters(router_counters(router.metrics_url, conf.family))
 
     def delta(key: str) -> list[float]:
@@ -519,6 +532,8 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
     return {"router": conf.name, "family": conf.family, "policy": conf.policy, "tuned": conf.tuned,
             "workload": wl_name, "rate": rate, "instances": mode.instances, "requests": res["requests"],
             "failed": res["failed"], "global_view": GLOBAL_VIEW,
+            # keyspace notifications the store sent a follower per routed request (0: no store)
+            "store_key_events_per_request": round(events / max(1, res["requests"]), 2),
             "tps_slo": res["tps_slo"], "ttft_p50": res.get("ttft_p50"), "ttft_p99": res.get("ttft_p99"),
             "tpot_p50": res.get("tpot_p50"), "tpot_p99": res.get("tpot_p99"),
             "lost_ttft": res.get("tokens_lost_ttft"), "lost_tpot": res.get("tokens_lost_tpot"),
