@@ -25,6 +25,29 @@ import pytest
 from smetric_lmc.workers import launch, up
 
 
+def test_free_ports_are_never_ones_an_outgoing_connection_could_take() -> None:
+    # CI saw `smetric up --mock` fail: the gateway's port, picked free, was handed to one of the
+    # controller's outgoing connections before the gateway bound it. Outgoing connections get
+    # ports from the kernel's ephemeral range, so a picked port must lie outside it.
+    lo, hi = launch._ephemeral_range()
+    ports = launch.free_ports(50)
+    assert len(set(ports)) == 50
+    assert not [p for p in ports if lo <= p <= hi]
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free indeed
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        conns = [socket.create_connection(held.getsockname()) for _ in range(20)]
+        try:
+            used = {c.getsockname()[1] for c in conns}
+            assert used.isdisjoint(launch.free_ports(200))
+        finally:
+            for c in conns:
+                c.close()
+
+
 def test_a_port_in_time_wait_does_not_block_a_restart() -> None:
     with socket.socket() as srv:
         # as the gateway (aiohttp), the metrics server and libzmq bind: a TIME-WAIT socket inherits it

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -115,11 +116,37 @@ def build_tiny_model(
     return outdir
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; IANA's elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct currently-free TCP ports (all held open until chosen, so never duplicated)."""
+    """n distinct currently-free TCP ports (all held open until chosen, so never duplicated).
+
+    Picked outside the kernel's ephemeral range: a port from ``bind(0)`` is free only until some
+    outgoing connection (a controller subscribing to engines, say) is given it before the server
+    that was meant to bind it starts, which made ``smetric up`` fail now and then."""
+    lo, hi = _ephemeral_range()
+    pool = [p for p in range(10000, 30000) if not lo <= p <= hi] or list(range(hi + 1, 65536))
+    rng = random.Random()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for port in rng.sample(pool, min(len(pool), 200 + n)):
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # crowded: fall back to whatever the kernel hands out
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
