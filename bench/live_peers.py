@@ -546,10 +546,21 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             # the engines' own mean time per output token (vLLM's inter-token latency), beside the
             # client's TPOT: a gap between them is time the tokens spent between engine and client
             "engine_itl_ms": 1e3 * sum(delta("itl_sum_s")) / max(1, sum(delta("itl_count"))),
+            # what that time per token is made of, from the engines' model: the mean iteration, the
+            # share of the GPUs' busy time in steps that carried prompt chunks, and the share spent
+            # waiting on loads and stores (a sync fetch holds the whole batch); GPU busy per instance
+            **_engine_time(delta("busy_s"), delta("mixed_s"), delta("stall_s"), delta("iterations"), wall),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
             "started": start_epoch, "machine_busy": busy,
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
             "session_headers": list(conf.headers)}
+
+
+def _engine_time(busy: list[float], mixed: list[float], stall: list[float], iterations: list[float],
+                 wall: float) -> dict[str, float]:
+    b = max(1e-9, sum(busy))
+    return {"iteration_ms": 1e3 * sum(busy) / max(1.0, sum(iterations)), "mixed_share": sum(mixed) / b,
+            "stall_share": sum(stall) / b, "gpu_busy": sum(busy) / max(1e-9, wall * max(1, len(busy)))}
 
 
 async def _latency(direct: str, via: str, n: int, rate: float) -> list[tuple[float, float, float]]:
@@ -667,9 +678,9 @@ def best_per_router(rows: list[dict[str, Any]], wl: str) -> dict[str, float]:
 def load_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per configuration, workload and load: the numeric fields averaged over its runs, with
     ``runs`` their count (the table of --repeats and of several --from-rows files)."""
-    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["router"], r["workload"], r["rate"]), []).append(r)
+    groups: dict[tuple[str, str, float, int], list[dict[str, Any]]] = {}
+    for r in rows:  # rows of several cluster sizes (--from-rows) are never averaged together
+        groups.setdefault((r["router"], r["workload"], r["rate"], r.get("instances", 0)), []).append(r)
     out = []
     for same in groups.values():
         m = dict(same[0], runs=len(same))
@@ -684,7 +695,7 @@ def load_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'router':58s} {'wl':6s} {'rate':>5s} {'req':>5s} {'fail':>4s} {'TPS@SLO':>9s} {'TTFT50':>7s} "
             f"{'TTFT99':>7s} {'TPOT99':>7s} {'lostT':>6s} {'lostP':>6s} {'local':>6s} {'global':>6s} {'miss':>6s} "
-            f"{'imbal':>6s} {'cpu/1k':>8s} {'late':>6s}")
+            f"{'imbal':>6s} {'cpu/1k':>8s} {'late':>6s} {'itl':>5s} {'iter':>5s} {'stall':>6s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['router'][:58]:58s} {r['workload']:6s} {r['rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
@@ -692,8 +703,39 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{1e3 * (r.get('tpot_p99') or 0):7.1f} {r.get('lost_ttft') or 0:6.1%} {r.get('lost_tpot') or 0:6.1%} "
                      f"{r['local_share']:6.1%} {r['global_share']:6.1%} {r['miss_share']:6.1%} "
                      f"{r['imbalance']:6.2f} {r['router_cpu_ms_per_1k']:8.0f} "
-                     f"{'' if r.get('late_steps') is None else format(r['late_steps'], '.1%'):>6s}")
+                     f"{'' if r.get('late_steps') is None else format(r['late_steps'], '.1%'):>6s} "
+                     f"{_opt(r.get('engine_itl_ms'), '5.1f')} {_opt(r.get('iteration_ms'), '5.1f')} "
+                     f"{_opt(r.get('stall_share'), '6.1%')}")
     return "\n".join(lines)
+
+
+def decode_drivers(rows: list[dict[str, Any]]) -> str:
+    """What the engines' time per output token moved with, over the runs: its correlation with the
+    share of GPU time in steps that carried prompt chunks and with the share spent waiting on
+    loads and stores, and that of the tokens lost to the TPOT SLO with the shares of prompt tokens
+    computed (miss) and fetched (global). Empty with fewer than five runs that carry the fields."""
+    keys = ("engine_itl_ms", "mixed_share", "stall_share", "lost_tpot", "miss_share", "global_share")
+    have = [r for r in rows if all(isinstance(r.get(k), (int, float)) for k in keys)]
+    if len(have) < 5:
+        return ""
+
+    def corr(a: str, b: str) -> str:
+        try:
+            return f"{statistics.correlation([r[a] for r in have], [r[b] for r in have]):+.2f}"
+        except statistics.StatisticsError:  # a constant column
+            return "n/a"
+
+    return (f"what slows the decodes, over {len(have)} runs (Pearson r): engine time per token with the GPU "
+            f"time in steps carrying prompt chunks {corr('engine_itl_ms', 'mixed_share')}, with the time "
+            f"waiting on loads and stores {corr('engine_itl_ms', 'stall_share')}; tokens lost to the TPOT SLO "
+            f"with the prompt share computed {corr('lost_tpot', 'miss_share')}, with the share fetched "
+            f"from the global tier {corr('lost_tpot', 'global_share')}")
+
+
+def _opt(v: float | None, fmt: str) -> str:
+    """A table cell for a field older rows lack (blank, as wide as a value)."""
+    width = int(fmt.split(".")[0] or 0)
+    return format(v, fmt) if v is not None else " " * width
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -955,6 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(m["runs"] > 1 for m in load_means(rows)):
         print("\neach load's mean over its runs (the figures the summary below uses):")
         print(table(load_means(rows)))
+    drivers = decode_drivers(rows)
+    if drivers:
+        print("\n" + drivers)
     print()
     print("command lines:")
     printed: set[str] = set()

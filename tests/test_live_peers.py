@@ -271,3 +271,27 @@ def test_a_stopped_sweep_starts_nothing_and_stops_what_was_starting(tmp_path: Pa
     finally:
         live_peers._STOPPED.clear()
         live_peers._LIVE.clear()
+
+
+def test_the_decode_drivers_and_one_cluster_size_per_mean() -> None:
+    """The report's "what slows the decodes" line correlates the engines' own time accounting over
+    the runs (none below five runs with the fields), and rows of different cluster sizes are never
+    averaged into one load's mean."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+
+    def row(i: int, instances: int = 8) -> dict:
+        return {"router": "ours:smetric", "workload": "trace1", "rate": 6.0, "instances": instances,
+                "tps_slo": 100.0 + i, "engine_itl_ms": 30.0 + 2 * i, "mixed_share": 0.5 + 0.02 * i,
+                "stall_share": 0.05 + 0.01 * (i % 2), "lost_tpot": 0.1 + 0.01 * i, "miss_share": 0.3 + 0.01 * i,
+                "global_share": 0.0}
+
+    assert live_peers.decode_drivers([row(i) for i in range(4)]) == ""
+    line = live_peers.decode_drivers([row(i) for i in range(6)])
+    assert "over 6 runs" in line and "prompt chunks +1.00" in line and "computed +1.00" in line
+    assert "global tier n/a" in line  # a constant column has no correlation
+    means = live_peers.load_means([row(0, 4), row(2, 4), row(1, 16)])
+    assert sorted((m["instances"], m["runs"], m["tps_slo"]) for m in means) == [(4, 2, 101.0), (16, 1, 101.0)]

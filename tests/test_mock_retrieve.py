@@ -93,6 +93,38 @@ def test_a_prompt_computed_elsewhere_is_fetched_at_the_retrieve_paths_cost(tmp_p
     asyncio.run(main())
 
 
+def test_the_engine_accounts_its_time_busy_mixed_and_stalled_on_a_fetch() -> None:
+    """Where the modelled GPU's time goes (the simulator's busy / stall accounting, in wall
+    seconds): a decode batch on b waits while a prompt's sync fetch from the global tier loads, so
+    b's stall time is at least that fetch's cost; the steps carrying prompt chunks are counted
+    apart, and so are the iterations that produced b's tokens."""
+
+    async def main() -> None:
+        args = options(instances=2, global_gib=64.0, retrieve_gbps=2.0, retrieve_lookup_ms=20.0)
+        async with running_mocks(args) as mocks, aiohttp.ClientSession() as s:
+            (a, _), (b, _) = mocks
+            await _ask(s, a.http_url, PROMPT)  # computed on a, put to the global tier
+            await asyncio.sleep(0.3)  # the put lands
+            before = (await _stats(s, b.http_url))["counters"]
+            decoding = asyncio.create_task(s.post(f"{b.http_url}/v1/completions",
+                                                  json={"model": "tiny", "prompt": [5] * 300, "max_tokens": 120}))
+            await asyncio.sleep(0.3)  # its decode runs
+            await _ask(s, b.http_url, PROMPT)  # a sync fetch: the decoding batch waits for it
+            async with await decoding as r:
+                assert r.status == 200
+                await r.read()
+            c = (await _stats(s, b.http_url))["counters"]
+            fetch_s = 20e-3 + 7680 * 98304 / 2e9
+            assert c["stall_s"] - before["stall_s"] >= 0.9 * fetch_s, (c, fetch_s)
+            # the waits are inside the steps that schedule the prompts; decode runs make the rest
+            assert c["busy_s"] > c["mixed_s"] >= c["stall_s"] > 0, c
+            # 121 tokens in 120 iterations: two steps carried a prompt (each gave its request's first
+            # token, the second also one of the batch's decodes), then 118 pure decode iterations
+            assert c["generation_tokens"] == 121 and c["iterations"] == 120, c
+
+    asyncio.run(main())
+
+
 def test_a_put_is_invisible_until_it_lands() -> None:
     async def main() -> None:
         args = options(instances=2, global_gib=64.0)

@@ -32,7 +32,7 @@ from smetric_lmc.lab.mock_engine.kv_events import (
 from smetric_lmc.lab.mock_engine.retrieve import MockClock, TierView
 from smetric_lmc.lab.mock_engine.vllm_hash import SUPPORTED_ALGOS, chain_digests, event_hash
 from smetric_lmc.lab.sim.cache import PrefixCache
-from smetric_lmc.lab.sim.engine import Instance
+from smetric_lmc.lab.sim.engine import SEG_MIXED, Instance
 from smetric_lmc.lab.sim.profile import Profile
 from smetric_lmc.lab.sim.request import SimRequest
 
@@ -93,6 +93,13 @@ class EngineCounters:
     retrieves: int = 0
     retrieve_sum_s: float = 0.0
     retrieved_tokens: int = 0
+    # where the modelled GPU's time went, in wall seconds (the simulator's busy / stall accounting):
+    # every step, the steps that carried prompt chunks, and the waits of steps on loads and stores;
+    # with the iterations they ran, these say what a slower time per output token is made of
+    busy_s: float = 0.0
+    mixed_s: float = 0.0
+    stall_s: float = 0.0
+    iterations: int = 0
 
 
 class _Index:
@@ -306,7 +313,15 @@ class MockEngineCore:
         pass  # throughput is measured by clients; the model's windows are not needed live
 
     def _account_busy(self, pos: int, t0: float, t1: float) -> None:
-        pass
+        """A step ended (called before the model applies it, so its kind is still set)."""
+        c, inst = self.counters, self.inst
+        c.busy_s += (t1 - t0) / self.speed
+        if inst.seg_kind == SEG_MIXED:
+            c.mixed_s += (t1 - t0) / self.speed
+            c.iterations += 1
+        elif inst.seg_cum is not None:  # a decode run, as far as it ran (a cut shortens it first)
+            c.iterations += len(inst.seg_cum)
+        c.stall_s = inst.stall_time / self.speed
 
     def _generated_blocks(self, r: SimRequest) -> np.ndarray:
         """vLLM keeps the full blocks of prompt + generated tokens: the chain continued over the

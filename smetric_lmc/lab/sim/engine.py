@@ -28,8 +28,10 @@ from smetric_lmc.lab.sim.profile import Profile
 from smetric_lmc.lab.sim.request import SimRequest
 from smetric_lmc.lab.sim.slowdown import Slowdown
 
-_MIXED = 1
-_DECODE = 2
+# What the step in progress is (``Instance.seg_kind``): prompt chunks with the batch's decodes, or
+# a run of pure-decode iterations.
+SEG_MIXED = 1
+SEG_DECODE = 2
 
 
 class EngineHost(Protocol):
@@ -93,7 +95,7 @@ class Instance:
         self.waiting.append(r)
         if not self.busy:
             self._plan(now)
-        elif self.seg_kind == _DECODE and self.seg_cum is not None:
+        elif self.seg_kind == SEG_DECODE and self.seg_cum is not None:
             self._cut(now)
 
     def _cut(self, now: float) -> None:
@@ -161,7 +163,7 @@ class Instance:
         self.prefilling.append(r)
         if not self.busy:
             self._plan(t)
-        elif self.seg_kind == _DECODE and self.seg_cum is not None:
+        elif self.seg_kind == SEG_DECODE and self.seg_cum is not None:
             self._cut(t)
 
     def _release_gnode(self, r: SimRequest, t: float) -> None:
@@ -185,7 +187,7 @@ class Instance:
                 chunks.append((r, n))
                 budget -= n
             dt = prof.iteration_time([(n, r.ctx) for r, n in chunks], n_dec, self.dec_ctx) * self.slowdown.factor(now)
-            self.seg_kind = _MIXED
+            self.seg_kind = SEG_MIXED
             self.seg_chunks = chunks
             self.seg_cum = None
             if self.sim.gtier is not None:
@@ -196,7 +198,7 @@ class Instance:
             k = max(1, min(k, self.sim.cfg.decode_run_max))
             cum = prof.decode_run_times(n_dec, self.dec_ctx, k) * self.slowdown.factor(now)
             dt = float(cum[-1])
-            self.seg_kind = _DECODE
+            self.seg_kind = SEG_DECODE
             self.seg_cum = cum
         else:
             self.busy = False
@@ -299,7 +301,7 @@ class Instance:
             return  # superseded by a cut
         self.busy_time += t - self.seg_start
         self.sim.account_busy(self.pos, self.seg_start, t)
-        if self.seg_kind == _MIXED:
+        if self.seg_kind == SEG_MIXED:
             self._apply_mixed(t)
         else:
             self._apply_decode(t)
