@@ -214,7 +214,10 @@ EVENT_ARGS = ("--topic", "")
 # gateway takes the turn from X-SMetric-Turn as well).
 SESSION_HEADERS = {"ours": ("X-SMetric-Session",), "vllm": ("x-session-id",), "sglang": ("X-SMG-Routing-Key",)}
 GATEWAY_TOKENIZE = "local"  # our gateway's tokenizer: "local" (--tokenizer) or "engine" (/tokenize); --gateway-tokenize
-MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4", *EVENT_ARGS)
+# the TPOT SLO the replay's summary judges by; the engines count against the same one
+SLO_TPOT_S = load_sim_config(None).slo.tpot_s
+MOCK_ARGS = ("--num-gpu-blocks", "192", "--max-model-len", "6144", "--global-gib", "4",
+             "--tpot-slo-ms", str(1e3 * SLO_TPOT_S), *EVENT_ARGS)
 # What our controller knows of the global tier: "redis" (the default since 2026-12-07): each cluster
 # gets its own redis-server, the mock names its tier's chunks there as LMCache's redis connector does
 # and our controller follows them (global_store kind redis), as it follows a real LMCache + Redis;
@@ -550,10 +553,28 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             # share of the GPUs' busy time in steps that carried prompt chunks, and the share spent
             # waiting on loads and stores (a sync fetch holds the whole batch); GPU busy per instance
             **_engine_time(delta("busy_s"), delta("mixed_s"), delta("stall_s"), delta("iterations"), wall),
+            # the tokens of requests past the TPOT SLO (whatever their TTFT), as the client timed them
+            # and as the engines did: a gap is time spent between engine and client, not in the engines
+            "slow_tpot_share": _slow_tpot_share(records, SLO_TPOT_S),
+            "engine_slow_tpot_share": sum(delta("slow_tpot_tokens")) / max(1, sum(delta("finished_tokens"))),
             "router_cpu_ms_per_1k": cpu * 1e3 / n_ok * 1000, "wall_s": wall, "steal": steal,
             "started": start_epoch, "machine_busy": busy,
             "counters": counters, "policy_log": router.policy_log(), "argv": router.argv,
             "session_headers": list(conf.headers)}
+
+
+def _slow_tpot_share(records: list[Any], slo_s: float) -> float:
+    """Prompt + output tokens of the served requests whose time per output token passed ``slo_s``,
+    over those of all served requests."""
+    total = slow = 0
+    for r in records:
+        if not r.ok:
+            continue
+        n = r.input + r.output
+        total += n
+        if r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > slo_s:
+            slow += n
+    return slow / max(1, total)
 
 
 def _engine_time(busy: list[float], mixed: list[float], stall: list[float], iterations: list[float],
@@ -729,7 +750,20 @@ def decode_drivers(rows: list[dict[str, Any]]) -> str:
             f"time in steps carrying prompt chunks {corr('engine_itl_ms', 'mixed_share')}, with the time "
             f"waiting on loads and stores {corr('engine_itl_ms', 'stall_share')}; tokens lost to the TPOT SLO "
             f"with the prompt share computed {corr('lost_tpot', 'miss_share')}, with the share fetched "
-            f"from the global tier {corr('lost_tpot', 'global_share')}")
+            f"from the global tier {corr('lost_tpot', 'global_share')}" + _slow_tpot_line(have))
+
+
+def _slow_tpot_line(rows: list[dict[str, Any]]) -> str:
+    """Where the requests past the TPOT SLO lost their time: as the client timed them against as
+    the engines did (rows that carry both)."""
+    both = [r for r in rows if isinstance(r.get("slow_tpot_share"), float)
+            and isinstance(r.get("engine_slow_tpot_share"), float)]
+    if not both:
+        return ""
+    client = statistics.mean(r["slow_tpot_share"] for r in both)
+    engine = statistics.mean(r["engine_slow_tpot_share"] for r in both)
+    return (f"; tokens of requests past the TPOT SLO, mean over {len(both)} runs: {client:.1%} as the client "
+            f"timed them, {engine:.1%} as the engines did")
 
 
 def _opt(v: float | None, fmt: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import pytest
 from helpers import wait_for
 
 from smetric_lmc.controller.vllm_events import VllmEventSubscriber
@@ -265,3 +266,20 @@ async def test_steps_that_end_late_in_wall_time_are_counted() -> None:
         c = core.counters
         assert c.step_lag_max_s >= 0.05 and c.steps_late >= 1
         assert c.step_lag_sum_s >= c.step_lag_max_s and c.steps_late < c.steps
+
+
+async def test_the_engine_counts_the_tokens_of_requests_past_the_tpot_slo() -> None:
+    """The engine's own account of the TPOT SLO (beside the client's, it tells time lost in the
+    engines from time lost between engine and client): prompt + output tokens of every finished
+    request, and of those whose time per output token here passed --tpot-slo-ms."""
+    for slo_ms, slow in ((1e-3, True), (1e4, False)):
+        async with running_mocks(options(speed=20.0, tpot_slo_ms=slo_ms)) as mocks, aiohttp.ClientSession() as http:
+            info, core = mocks[0]
+            await _complete(http, info.http_url, {"prompt": [7] * 64, "max_tokens": 12})
+            await _complete(http, info.http_url, {"prompt": [9] * 40, "max_tokens": 1})  # no TPOT
+            c = core.counters
+            assert c.finished_tokens == 64 + 12 + 40 + 1
+            assert c.slow_tpot_tokens == (64 + 12 if slow else 0)
+    with pytest.raises(ValueError, match="TPOT SLO"):
+        async with running_mocks(options(tpot_slo_ms=0.0)):
+            pass

@@ -37,6 +37,7 @@ from smetric_lmc.lab.mock_engine.retrieve import (
 )
 from smetric_lmc.lab.mock_engine.server import MockEngineServer
 from smetric_lmc.lab.mock_engine.store_keys import StoreKeys
+from smetric_lmc.lab.sim.config import SLO
 from smetric_lmc.lab.sim.fetch_path import DEFAULT_FETCH_PATH, fetch_path_names, load_fetch_path
 from smetric_lmc.lab.sim.profile import DEFAULT_PROFILE, GIB, load_profile
 
@@ -100,7 +101,7 @@ async def running_mocks(args: argparse.Namespace) -> AsyncIterator[list[tuple[Mo
                 iid, profile, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                 max_model_len=args.max_model_len, speed=args.speed, stream_interval=args.stream_interval,
                 hash_algo=args.hash_algo, none_hash_seed=args.none_hash_seed, publisher=pub, clock=clock,
-                tiers=tiers.view(i) if tiers is not None else None)
+                tiers=tiers.view(i) if tiers is not None else None, tpot_slo_s=args.tpot_slo_ms / 1e3)
             pub.start()
             runner = web.AppRunner(MockEngineServer(core, args.served_model_name).app(), access_log=None)
             await runner.setup()
@@ -216,6 +217,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-algo", default="sha256_cbor", choices=("sha256_cbor",),
                    help="vLLM --prefix-caching-hash-algo (the mock implements sha256_cbor)")
     p.add_argument("--none-hash-seed", default="0", help="vLLM's NONE_HASH seed (PYTHONHASHSEED of the engines)")
+    p.add_argument("--tpot-slo-ms", type=float, default=1e3 * SLO().tpot_s,
+                   help="the TPOT SLO the engines' own accounting counts against (/mock/stats slow_tpot_tokens)")
     p.add_argument("--served-model-name", default="tiny")
     p.add_argument("--topic", default="kv")
     p.add_argument("--id-prefix", default="mock")

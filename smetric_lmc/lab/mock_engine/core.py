@@ -32,6 +32,7 @@ from smetric_lmc.lab.mock_engine.kv_events import (
 from smetric_lmc.lab.mock_engine.retrieve import MockClock, TierView
 from smetric_lmc.lab.mock_engine.vllm_hash import SUPPORTED_ALGOS, chain_digests, event_hash
 from smetric_lmc.lab.sim.cache import PrefixCache
+from smetric_lmc.lab.sim.config import SLO
 from smetric_lmc.lab.sim.engine import SEG_MIXED, Instance
 from smetric_lmc.lab.sim.profile import Profile
 from smetric_lmc.lab.sim.request import SimRequest
@@ -100,6 +101,11 @@ class EngineCounters:
     mixed_s: float = 0.0
     stall_s: float = 0.0
     iterations: int = 0
+    # the TPOT SLO as the engine sees it: prompt + output tokens of the requests it finished, and of
+    # those whose time per output token here (first token to last, in wall time) passed the SLO;
+    # beside the client's figure it tells time lost in the engines from time lost on the way out
+    finished_tokens: int = 0
+    slow_tpot_tokens: int = 0
 
 
 class _Index:
@@ -173,13 +179,18 @@ class MockEngineCore:
         publisher: KVEventPublisher | None = None,
         clock: MockClock | None = None,
         tiers: TierView | None = None,
+        tpot_slo_s: float = SLO().tpot_s,
     ) -> None:
         """``clock``: the process's model clock (instances sharing ``tiers`` must share it);
-        ``tiers``: this instance's local CPU and global tiers (None: a vLLM engine alone)."""
+        ``tiers``: this instance's local CPU and global tiers (None: a vLLM engine alone);
+        ``tpot_slo_s``: the TPOT SLO its own accounting counts against (wall seconds per token)."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if hash_algo not in SUPPORTED_ALGOS:
             raise ValueError(f"the mock engine hashes blocks with {SUPPORTED_ALGOS}, not {hash_algo!r}")
+        if tpot_slo_s <= 0:
+            raise ValueError("the TPOT SLO must be > 0")
+        self.tpot_slo_s = tpot_slo_s
         self.instance_id = instance_id
         self.profile = profile
         self.block_size = block_size
@@ -389,9 +400,13 @@ class MockEngineCore:
             self.counters.requests_aborted += 1
         else:
             self.counters.requests_ok += 1
+            c = self.counters
+            c.finished_tokens += r.input + r.output
             if r.output > 1 and t > r.first_token:
-                self.counters.itl_sum_s += (t - r.first_token) / self.speed  # model seconds -> wall
-                self.counters.itl_count += r.output - 1
+                c.itl_sum_s += (t - r.first_token) / self.speed  # model seconds -> wall
+                c.itl_count += r.output - 1
+                if (t - r.first_token) / self.speed / (r.output - 1) > self.tpot_slo_s:
+                    c.slow_tpot_tokens += r.input + r.output
             h.queue.put_nowait(("end", h.sent))
 
     def _deliver(self, r: SimRequest) -> None:
