@@ -813,6 +813,41 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_decode(rows: list[dict[str, Any]], path: Path) -> bool:
+    """What slows the decodes, one dot per run: the engines' time per output token against the
+    share of GPU time in steps that carried prompt chunks, and against the share spent waiting on
+    loads and stores (the same axis, so the two slopes compare). False (no file) when fewer than
+    five runs carry the fields."""
+    have = [r for r in rows if all(isinstance(r.get(k), (int, float))
+                                   for k in ("engine_itl_ms", "mixed_share", "stall_share"))]
+    if len(have) < 5:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.5))
+    for key, marker, what in (("mixed_share", "o", "in steps carrying prompt chunks"),
+                              ("stall_share", "x", "waiting on loads and stores")):
+        for family, colour in (("ours", "tab:blue"), ("peer", "tab:red")):
+            mine = [r for r in have if r["router"].startswith("ours") == (family == "ours")]
+            if mine:
+                ax.plot([100 * r[key] for r in mine], [r["engine_itl_ms"] for r in mine], marker, color=colour,
+                        alpha=0.7, label=f"{'ours' if family == 'ours' else 'peers'}: GPU time {what}")
+    ax.set_xlabel("share of the engines' GPU time (%)")
+    ax.set_ylabel("engines' time per output token (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", framealpha=0.6)
+    ax.set_title(f"what slows the decodes: {len(have)} runs, "
+                 f"{', '.join(str(n) for n in sorted({r.get('instances', 0) for r in have}))} instances", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _loads(text: str) -> tuple[float, ...]:
     try:
         loads = tuple(float(x) for x in text.split(","))
@@ -1069,6 +1104,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, args.plot, f"bench/live_peers.py {'--quick' if args.quick else '--ci' if args.ci else ''} "
                               f"({mode.instances} mock instances)")
         print(f"plot: {args.plot}")
+        decode_path = args.plot.with_name(args.plot.stem + "_decode" + args.plot.suffix)
+        if plot_decode(rows, decode_path):
+            print(f"plot: {decode_path}")
     print(json.dumps({"instances": mode.instances, "workloads": list(mode.workloads), "ours_best": ours_best,
                       "best_peer": best_peer, "ours_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in ratio.items()},
                       "smetric_vs_best_peer_tps_slo": {k: round(v, 3) for k, v in sm_ratio.items()},

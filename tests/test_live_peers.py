@@ -295,3 +295,15 @@ def test_the_decode_drivers_and_one_cluster_size_per_mean() -> None:
     assert "global tier n/a" in line  # a constant column has no correlation
     means = live_peers.load_means([row(0, 4), row(2, 4), row(1, 16)])
     assert sorted((m["instances"], m["runs"], m["tps_slo"]) for m in means) == [(4, 2, 101.0), (16, 1, 101.0)]
+
+
+def test_the_decode_plot_needs_five_runs_with_the_engines_accounting(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    rows = [{"router": "ours:smetric" if i % 2 else "vllm:kv_aware", "instances": 8, "engine_itl_ms": 30.0 + i,
+             "mixed_share": 0.5 + 0.01 * i, "stall_share": 0.05} for i in range(6)]
+    assert not live_peers.plot_decode(rows[:4], tmp_path / "few.png") and not (tmp_path / "few.png").exists()
+    assert live_peers.plot_decode(rows, tmp_path / "d.png") and (tmp_path / "d.png").stat().st_size > 0
