@@ -307,3 +307,34 @@ def test_the_decode_plot_needs_five_runs_with_the_engines_accounting(tmp_path: P
              "mixed_share": 0.5 + 0.01 * i, "stall_share": 0.05} for i in range(6)]
     assert not live_peers.plot_decode(rows[:4], tmp_path / "few.png") and not (tmp_path / "few.png").exists()
     assert live_peers.plot_decode(rows, tmp_path / "d.png") and (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_rows_of_several_cluster_sizes_are_summarized_one_size_at_a_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+
+    def row(router: str, instances: int, tps: float) -> dict:
+        return {"router": router, "family": router.split(":")[0], "policy": router.split(":")[1], "tuned": False,
+                "workload": "trace1", "rate": 6.0, "instances": instances, "requests": 10, "failed": 0,
+                "tps_slo": tps, "ttft_p50": 0.1, "ttft_p99": 0.2, "local_share": 0.5, "global_share": 0.2,
+                "miss_share": 0.3, "imbalance": 1.1, "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router]}
+
+    # on 4 instances the peer leads, on 16 ours: neither size's peak may stand in for the other's
+    rows = [row("ours:smetric", 4, 100.0), row("vllm:kv_aware", 4, 200.0),
+            row("ours:smetric", 16, 330.0), row("vllm:kv_aware", 16, 300.0)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        for extra, size, ratio in (([], 16, 1.1), (["--instances", "4"], 4, 0.5)):
+            assert live_peers.main(["--from-rows", str(path), *extra]) == 0
+            text = capsys.readouterr().out
+            out = json.loads(text.strip().splitlines()[-1])
+            assert out["instances"] == size and out["ours_vs_best_peer_tps_slo"] == {"trace1": ratio}
+            assert "rows of 2 cluster sizes (4, 16)" in text
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
