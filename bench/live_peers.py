@@ -543,6 +543,11 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             "local_share": gpu / total, "global_share": glob / total, "miss_share": 1 - (gpu + glob) / total,
             "imbalance": max(prompt) / max(1e-9, statistics.mean(prompt)) if prompt else 0.0,
             "per_instance_requests": delta("requests_ok"),
+            # per instance: GPU busy share over the run, and the share of its finished tokens whose
+            # requests passed the TPOT SLO there (do the losses sit on the busiest instances?)
+            "per_instance_gpu_busy": [round(b / max(1e-9, wall), 4) for b in delta("busy_s")],
+            "per_instance_slow_tpot": [round(sl / max(1, f), 4)
+                                       for sl, f in zip(delta("slow_tpot_tokens"), delta("finished_tokens"))],
             # the mock engines' own timekeeping: how late their steps ended, in wall time (a share of
             # late steps near 0 says the machine kept the modelled cluster's pace)
             "step_lag_ms": 1e3 * sum(delta("step_lag_sum_s")) / steps, "late_steps": sum(delta("steps_late")) / steps,
@@ -750,7 +755,26 @@ def decode_drivers(rows: list[dict[str, Any]]) -> str:
             f"time in steps carrying prompt chunks {corr('engine_itl_ms', 'mixed_share')}, with the time "
             f"waiting on loads and stores {corr('engine_itl_ms', 'stall_share')}; tokens lost to the TPOT SLO "
             f"with the prompt share computed {corr('lost_tpot', 'miss_share')}, with the share fetched "
-            f"from the global tier {corr('lost_tpot', 'global_share')}" + _slow_tpot_line(have))
+            f"from the global tier {corr('lost_tpot', 'global_share')}" + _slow_tpot_line(have)
+            + _per_instance_line(have))
+
+
+def _per_instance_line(rows: list[dict[str, Any]]) -> str:
+    """Whether the requests past the TPOT SLO sit on the busiest instances: within each run, the
+    correlation over its instances of the share of tokens past the SLO with the GPU busy share;
+    the median over the runs that carry both."""
+    rs = []
+    for r in rows:
+        busy, slow = r.get("per_instance_gpu_busy"), r.get("per_instance_slow_tpot")
+        if isinstance(busy, list) and isinstance(slow, list) and len(busy) == len(slow) >= 3:
+            try:
+                rs.append(statistics.correlation(busy, slow))
+            except statistics.StatisticsError:  # every instance alike
+                continue
+    if not rs:
+        return ""
+    return (f"; within a run, over its instances, tokens past the TPOT SLO with GPU busy: median r "
+            f"{statistics.median(rs):+.2f} over {len(rs)} runs")
 
 
 def _slow_tpot_line(rows: list[dict[str, Any]]) -> str:
