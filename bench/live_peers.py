@@ -546,6 +546,7 @@ def _measure(router: Router, infos: list[MockInstance], conf: RouterConf, wl_nam
             # per instance: GPU busy share over the run, and the share of its finished tokens whose
             # requests passed the TPOT SLO there (do the losses sit on the busiest instances?)
             "per_instance_gpu_busy": [round(b / max(1e-9, wall), 4) for b in delta("busy_s")],
+            "per_instance_mixed_share": [round(m / max(1e-9, b), 4) for m, b in zip(delta("mixed_s"), delta("busy_s"))],
             "per_instance_slow_tpot": [round(sl / max(1, f), 4)
                                        for sl, f in zip(delta("slow_tpot_tokens"), delta("finished_tokens"))],
             # the mock engines' own timekeeping: how late their steps ended, in wall time (a share of
@@ -763,18 +764,22 @@ def _per_instance_line(rows: list[dict[str, Any]]) -> str:
     """Whether the requests past the TPOT SLO sit on the busiest instances: within each run, the
     correlation over its instances of the share of tokens past the SLO with the GPU busy share;
     the median over the runs that carry both."""
-    rs = []
-    for r in rows:
-        busy, slow = r.get("per_instance_gpu_busy"), r.get("per_instance_slow_tpot")
-        if isinstance(busy, list) and isinstance(slow, list) and len(busy) == len(slow) >= 3:
-            try:
-                rs.append(statistics.correlation(busy, slow))
-            except statistics.StatisticsError:  # every instance alike
-                continue
-    if not rs:
-        return ""
-    return (f"; within a run, over its instances, tokens past the TPOT SLO with GPU busy: median r "
-            f"{statistics.median(rs):+.2f} over {len(rs)} runs")
+    def median_r(key: str) -> tuple[float, int] | None:
+        rs = []
+        for r in rows:
+            x, slow = r.get(key), r.get("per_instance_slow_tpot")
+            if isinstance(x, list) and isinstance(slow, list) and len(x) == len(slow) >= 3:
+                try:
+                    rs.append(statistics.correlation(x, slow))
+                except statistics.StatisticsError:  # every instance alike
+                    continue
+        return (statistics.median(rs), len(rs)) if rs else None
+
+    parts = [f"with {what}: median r {m[0]:+.2f} over {m[1]} runs"
+             for key, what in (("per_instance_gpu_busy", "GPU busy"),
+                               ("per_instance_mixed_share", "the GPU time in steps carrying prompt chunks"))
+             if (m := median_r(key)) is not None]
+    return "; within a run, over its instances, tokens past the TPOT SLO " + ", ".join(parts) if parts else ""
 
 
 def _slow_tpot_line(rows: list[dict[str, Any]]) -> str:
