@@ -289,13 +289,15 @@ def test_the_decode_drivers_and_one_cluster_size_per_mean() -> None:
                 "stall_share": 0.05 + 0.01 * (i % 2), "lost_tpot": 0.1 + 0.01 * i, "miss_share": 0.3 + 0.01 * i,
                 "global_share": 0.0, "per_instance_gpu_busy": [0.5, 0.6, 0.7 + 0.01 * i],
                 "per_instance_slow_tpot": [0.3, 0.2, 0.1] if i == 0 else [0.1, 0.2, 0.3],
-                "per_instance_mixed_share": [0.6, 0.5, 0.4]}
+                "per_instance_mixed_share": [0.6, 0.5, 0.4],
+                "slow_tpot_share": 0.2, "engine_slow_tpot_share": 0.2, "slow_tpot_by_waits": 0.1 * (i % 2)}
 
     assert live_peers.decode_drivers([row(i) for i in range(4)]) == ""
     line = live_peers.decode_drivers([row(i) for i in range(6)])
     assert "over 6 runs" in line and "prompt chunks +1.00" in line and "computed +1.00" in line
     assert "global tier n/a" in line  # a constant column has no correlation
     # the losses on the busiest instances in five runs of six: the median says so
+    assert "20.0% as the client timed them, 20.0% as the engines did, of which 5.0% (mean over 6 runs)" in line
     assert ("tokens past the TPOT SLO with GPU busy: median r +1.00 over 6 runs, with the GPU time in steps "
             "carrying prompt chunks: median r -1.00 over 6 runs") in line
     means = live_peers.load_means([row(0, 4), row(2, 4), row(1, 16)])

@@ -97,10 +97,26 @@ def test_the_engine_accounts_its_time_busy_mixed_and_stalled_on_a_fetch() -> Non
     """Where the modelled GPU's time goes (the simulator's busy / stall accounting, in wall
     seconds): a decode batch on b waits while a prompt's sync fetch from the global tier loads, so
     b's stall time is at least that fetch's cost; the steps carrying prompt chunks are counted
-    apart, and so are the iterations that produced b's tokens."""
+    apart, and so are the iterations that produced b's tokens. The decoding request sat through
+    that wait; with a TPOT SLO it meets only without the wait, its tokens count as lost to it."""
+    first = asyncio.run(_decode_beside_a_fetch(slo_ms=1e4))
+    fetch_s = 20e-3 + 7680 * 98304 / 2e9
+    assert 0.9 * fetch_s <= first["decode_waited_s"] <= first["stall_s"], first
+    # the decoding request's time per token with and without its wait: an SLO between the two
+    span = first["itl_sum_s"]
+    slo_ms = 1e3 * (span - first["decode_waited_s"] / 2) / 119
+    second = asyncio.run(_decode_beside_a_fetch(slo_ms=slo_ms))
+    assert second["slow_tpot_tokens"] == second["slow_tpot_tokens_by_waits"] == 300 + 120, second
+    assert first["slow_tpot_tokens"] == first["slow_tpot_tokens_by_waits"] == 0
+
+
+async def _decode_beside_a_fetch(slo_ms: float) -> dict[str, Any]:
+    """The scenario of the test above; b's counters after it, with checks of its time accounting."""
+    out: dict[str, Any] = {}
 
     async def main() -> None:
-        args = options(instances=2, global_gib=64.0, retrieve_gbps=2.0, retrieve_lookup_ms=20.0)
+        args = options(instances=2, global_gib=64.0, retrieve_gbps=2.0, retrieve_lookup_ms=20.0,
+                       tpot_slo_ms=slo_ms)
         async with running_mocks(args) as mocks, aiohttp.ClientSession() as s:
             (a, _), (b, _) = mocks
             await _ask(s, a.http_url, PROMPT)  # computed on a, put to the global tier
@@ -121,8 +137,10 @@ def test_the_engine_accounts_its_time_busy_mixed_and_stalled_on_a_fetch() -> Non
             # 121 tokens in 120 iterations: two steps carried a prompt (each gave its request's first
             # token, the second also one of the batch's decodes), then 118 pure decode iterations
             assert c["generation_tokens"] == 121 and c["iterations"] == 120, c
+            out.update(c)
 
-    asyncio.run(main())
+    await main()
+    return out
 
 
 def test_a_put_is_invisible_until_it_lands() -> None:

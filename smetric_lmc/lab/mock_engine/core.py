@@ -59,6 +59,8 @@ class Handle:
     cpu_tokens: int = 0  # of the fetched tokens: those from the instance's local CPU tier
     aborted: bool = False
     finished: bool = False
+    # wall seconds of its decode spent in steps waiting on another request's load or a store
+    waited_s: float = 0.0
 
 
 # A step ending this much (wall seconds) after its modelled end counts as late: a tenth of the
@@ -106,6 +108,10 @@ class EngineCounters:
     # beside the client's figure it tells time lost in the engines from time lost on the way out
     finished_tokens: int = 0
     slow_tpot_tokens: int = 0
+    # of those, the tokens of requests that would have met the SLO had their decode not waited on
+    # loads and stores (the fetches' share of the losses, against the co-batched prefill's)
+    slow_tpot_tokens_by_waits: int = 0
+    decode_waited_s: float = 0.0  # the finished requests' decodes' waits on transfers, summed
 
 
 class _Index:
@@ -332,6 +338,10 @@ class MockEngineCore:
             c.iterations += 1
         elif inst.seg_cum is not None:  # a decode run, as far as it ran (a cut shortens it first)
             c.iterations += len(inst.seg_cum)
+        waited = inst.stall_time / self.speed - c.stall_s  # this step's waits on transfers
+        if waited > 0:
+            for r in inst.decoding:  # the batch's decodes sat through them
+                r.session.waited_s += waited
         c.stall_s = inst.stall_time / self.speed
 
     def _generated_blocks(self, r: SimRequest) -> np.ndarray:
@@ -402,11 +412,15 @@ class MockEngineCore:
             self.counters.requests_ok += 1
             c = self.counters
             c.finished_tokens += r.input + r.output
+            c.decode_waited_s += h.waited_s
             if r.output > 1 and t > r.first_token:
                 c.itl_sum_s += (t - r.first_token) / self.speed  # model seconds -> wall
                 c.itl_count += r.output - 1
-                if (t - r.first_token) / self.speed / (r.output - 1) > self.tpot_slo_s:
+                wall = (t - r.first_token) / self.speed
+                if wall / (r.output - 1) > self.tpot_slo_s:
                     c.slow_tpot_tokens += r.input + r.output
+                    if (wall - h.waited_s) / (r.output - 1) <= self.tpot_slo_s:
+                        c.slow_tpot_tokens_by_waits += r.input + r.output
             h.queue.put_nowait(("end", h.sent))
 
     def _deliver(self, r: SimRequest) -> None:
