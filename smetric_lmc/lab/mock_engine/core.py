@@ -409,14 +409,14 @@ class MockEngineCore:
         if h.aborted:
             self.counters.requests_aborted += 1
         else:
-            self.counters.requests_ok += 1
             c = self.counters
+            c.requests_ok += 1
             c.finished_tokens += r.input + r.output
             c.decode_waited_s += h.waited_s
             if r.output > 1 and t > r.first_token:
-                c.itl_sum_s += (t - r.first_token) / self.speed  # model seconds -> wall
+                wall = (t - r.first_token) / self.speed  # model seconds -> wall
+                c.itl_sum_s += wall
                 c.itl_count += r.output - 1
-                wall = (t - r.first_token) / self.speed
                 if wall / (r.output - 1) > self.tpot_slo_s:
                     c.slow_tpot_tokens += r.input + r.output
                     if (wall - h.waited_s) / (r.output - 1) <= self.tpot_slo_s:
