@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,11 +125,7 @@ def test_added_latency_is_taken_per_pair() -> None:
     """The router's added time is the percentiles of each pair's difference (through it minus
     straight), not the difference of two percentiles (which went negative on a noisy machine); the
     probe's noise floor the same percentiles of two straight requests' difference."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
     # The straight request is slow in the pairs where the routed one is slow too (machine noise);
     # the second straight request gives the probe's own noise floor.
     triples = [(1.0, 1.5, 1.1)] * 97 + [(1.0, 1.5, 3.0), (40.0, 40.5, 40.2), (1.0, 9.0, 1.0)]
@@ -144,11 +141,7 @@ def test_added_latency_is_taken_per_pair() -> None:
 def test_weka_runs_its_own_loads_context_scale_and_session_count() -> None:
     """WEKA's sessions (~60 turns, ~123 k-token contexts) get their own loads, window and scale; a
     mode that sets none runs WEKA at Trace-1's settings with its fixed session count."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
     quick = live_peers.MODES["quick"]
     assert quick.weka_loads and quick.loads_of("weka") == quick.weka_loads != quick.loads_of("trace1")
     assert quick.sessions_at(4.0, "weka") == max(quick.weka_sessions, round(4.0 * quick.weka_window_s))
@@ -166,17 +159,10 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A load run several times counts with the mean of its runs (one lucky run does not make the
     peak); --from-rows reports saved rows without running anything."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
 
     def row(router: str, rate: float, tps: float) -> dict:
-        return {"router": router, "family": router.split(":")[0], "policy": router.split(":")[1], "tuned": False,
-                "workload": "trace1", "rate": rate, "requests": 10, "failed": 0, "tps_slo": tps, "ttft_p50": 0.1,
-                "ttft_p99": 0.2, "local_share": 0.5, "global_share": 0.2, "miss_share": 0.3, "imbalance": 1.1,
-                "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router]}
+        return _summary_row(router, tps, rate=rate)
 
     rows = [row("ours:smetric", 6.0, 100.0), row("ours:smetric", 6.0, 140.0), row("ours:smetric", 12.0, 110.0),
             row("vllm:kv_aware", 6.0, 125.0), row("vllm:kv_aware", 12.0, 90.0)]
@@ -206,11 +192,7 @@ def test_repeated_loads_are_averaged_and_earlier_rows_can_be_reported(tmp_path: 
 def test_a_parallel_or_repeat_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """--parallel 0 is an error, not the mode's default (a falsy count once ran the whole sweep);
     so is --repeats 0, which would run nothing and report an empty table."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
     assert live_peers.main(["--quick", "--parallel", "0"]) == 2
     assert "--parallel takes a count >= 1" in capsys.readouterr().err
     assert live_peers.main(["--quick", "--repeats", "0"]) == 2
@@ -222,11 +204,7 @@ def test_routers_name_tuned_configurations_and_unknown_names_are_refused(
     """A tuned configuration's parameters are comma-separated inside its brackets: --routers keeps
     them whole (they were split at every comma and silently matched nothing); a name that matches
     no configuration of the run is an error, not a smaller run."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
     tuned = "vllm:cache_aware[cache-threshold=0.6,balance-abs-threshold=16]"
     assert live_peers.router_names(f"ours:smetric[process=one], {tuned},vllm:kv_aware") == [
         "ours:smetric[process=one]", tuned, "vllm:kv_aware"]
@@ -241,11 +219,7 @@ def test_a_stopped_sweep_starts_nothing_and_stops_what_was_starting(tmp_path: Pa
     """A SIGTERM during a parallel sweep's start phase once left runs going: a run that was still
     starting its cluster registered it after the stop had looked, and ran its whole sweep. A part
     registered after the stop is stopped at once, and no run starts after it."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
 
     class Part:
         stopped = False
@@ -277,11 +251,7 @@ def test_the_decode_drivers_and_one_cluster_size_per_mean() -> None:
     """The report's "what slows the decodes" line correlates the engines' own time accounting over
     the runs (none below five runs with the fields), and rows of different cluster sizes are never
     averaged into one load's mean."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
 
     def row(i: int, instances: int = 8) -> dict:
         return {"router": "ours:smetric", "workload": "trace1", "rate": 6.0, "instances": instances,
@@ -305,11 +275,7 @@ def test_the_decode_drivers_and_one_cluster_size_per_mean() -> None:
 
 
 def test_the_decode_plot_needs_five_runs_with_the_engines_accounting(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
     rows = [{"router": "ours:smetric" if i % 2 else "vllm:kv_aware", "instances": 8, "engine_itl_ms": 30.0 + i,
              "mixed_share": 0.5 + 0.01 * i, "stall_share": 0.05} for i in range(6)]
     assert not live_peers.plot_decode(rows[:4], tmp_path / "few.png") and not (tmp_path / "few.png").exists()
@@ -318,17 +284,10 @@ def test_the_decode_plot_needs_five_runs_with_the_engines_accounting(tmp_path: P
 
 def test_rows_of_several_cluster_sizes_are_summarized_one_size_at_a_time(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import live_peers
-    finally:
-        sys.path.pop(0)
+    live_peers = _live_peers()
 
     def row(router: str, instances: int, tps: float) -> dict:
-        return {"router": router, "family": router.split(":")[0], "policy": router.split(":")[1], "tuned": False,
-                "workload": "trace1", "rate": 6.0, "instances": instances, "requests": 10, "failed": 0,
-                "tps_slo": tps, "ttft_p50": 0.1, "ttft_p99": 0.2, "local_share": 0.5, "global_share": 0.2,
-                "miss_share": 0.3, "imbalance": 1.1, "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router]}
+        return _summary_row(router, tps, instances=instances)
 
     # on 4 instances the peer leads, on 16 ours: neither size's peak may stand in for the other's
     rows = [row("ours:smetric", 4, 100.0), row("vllm:kv_aware", 4, 200.0),
@@ -345,3 +304,22 @@ def test_rows_of_several_cluster_sizes_are_summarized_one_size_at_a_time(
             assert "rows of 2 cluster sizes (4, 16)" in text
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def _summary_row(router: str, tps: float, **fields: object) -> dict:
+    """A run's row with what the report's table and summary read (Trace-1 at 6/s unless ``fields``
+    say otherwise)."""
+    return {"router": router, "family": router.split(":")[0], "policy": router.split(":")[1], "tuned": False,
+            "workload": "trace1", "rate": 6.0, "requests": 10, "failed": 0, "tps_slo": tps, "ttft_p50": 0.1,
+            "ttft_p99": 0.2, "local_share": 0.5, "global_share": 0.2, "miss_share": 0.3, "imbalance": 1.1,
+            "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router], **fields}
+
+
+def _live_peers() -> Any:
+    """``bench/live_peers.py`` as a module (the bench folder is not a package)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import live_peers
+    finally:
+        sys.path.pop(0)
+    return live_peers
