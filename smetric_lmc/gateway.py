@@ -421,11 +421,11 @@ class Gateway:
             self._leave_stage(stage)
 
     def _enter_stage(self, stage: str) -> str:
-        self.metrics.in_stage.labels(stage=stage).inc()
+        self.metrics.series(self.metrics.in_stage, stage).inc()
         return stage
 
     def _leave_stage(self, stage: str) -> None:
-        self.metrics.in_stage.labels(stage=stage).dec()
+        self.metrics.series(self.metrics.in_stage, stage).dec()
 
     # ---- routing --------------------------------------------------------------------------------
     def _controller_usable(self) -> bool:

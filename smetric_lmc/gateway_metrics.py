@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -68,6 +69,9 @@ class GatewayMetrics:
     def __init__(self, instances: Sequence[str] = (), registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        # each labelled series once looked up: prometheus_client's labels() checks and locks on every
+        # call, and a request touches ~20 series (no series is ever removed, so none goes stale)
+        self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "smetric_gateway_requests",
             "Client requests answered, by the instance that served them, route reason and HTTP status",
@@ -188,38 +192,44 @@ class GatewayMetrics:
         for outcome in ("ok", "timeout", "error"):
             self.route_rtt.labels(outcome=outcome)
 
+    def series(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once."""
+        key = (id(metric), values)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*values)
+        return child
+
     # ---- hooks the gateway calls -------------------------------------------------------------------
     def observe_response(self, resp: web.StreamResponse) -> None:
         """One client request answered; the decision headers say who served it and why."""
         h = resp.headers
-        self.requests.labels(
-            backend=h.get("X-SMetric-Instance", NO_INSTANCE), reason=h.get("X-SMetric-Reason", NO_INSTANCE),
-            status=str(resp.status),
-        ).inc()
+        self.series(self.requests, h.get("X-SMetric-Instance", NO_INSTANCE), h.get("X-SMetric-Reason", NO_INSTANCE),
+                    str(resp.status)).inc()
 
     def observe_route_rtt(self, seconds: float, outcome: str) -> None:
-        self.route_rtt.labels(outcome=outcome).observe(seconds)
+        self.series(self.route_rtt, outcome).observe(seconds)
 
     def attempt_started(self, instance: str) -> None:
-        self.in_flight.labels(backend=instance).inc()
+        self.series(self.in_flight, instance).inc()
 
     def observe_attempt(self, a: AttemptRecord) -> None:
-        self.in_flight.labels(backend=a.instance).dec()
+        inst = a.instance
+        self.series(self.in_flight, inst).dec()
         if not a.ok:
             return
-        inst = a.instance
-        self.duration.labels(backend=inst).observe(a.finished - a.started)
-        self.output_tokens.labels(backend=inst).inc(a.output_tokens)
+        self.series(self.duration, inst).observe(a.finished - a.started)
+        self.series(self.output_tokens, inst).inc(a.output_tokens)
         if a.stream and a.first_byte is not None:
-            self.ttft.labels(backend=inst).observe(a.first_byte - a.started)
+            self.series(self.ttft, inst).observe(a.first_byte - a.started)
             if a.output_tokens >= 2:
-                self.tpot.labels(backend=inst).observe((a.finished - a.first_byte) / (a.output_tokens - 1))
+                self.series(self.tpot, inst).observe((a.finished - a.first_byte) / (a.output_tokens - 1))
         if a.cached_tokens is None:
-            self.cached_unreported.labels(backend=inst).inc()
+            self.series(self.cached_unreported, inst).inc()
             return
         for stage, n in zip(FUNNEL_STAGES,
                             (a.prompt_tokens, a.est_hit_tokens or 0, a.predicted_local_tokens, a.cached_tokens)):
-            self.funnel.labels(backend=inst, stage=stage).inc(n)
+            self.series(self.funnel, inst, stage).inc(n)
 
     def observe_upstream_failure(self, instance: str, *, mid_response: bool) -> None:
         stage = "mid_response" if mid_response else "before_response"
@@ -232,10 +242,10 @@ class GatewayMetrics:
         self.fallback_routes.labels(cause=cause).inc()
 
     def observe_done(self, delivered: bool) -> None:
-        self.done_reports.labels(result="delivered" if delivered else "failed").inc()
+        self.series(self.done_reports, "delivered" if delivered else "failed").inc()
 
     def observe_prefilled(self, delivered: bool) -> None:
-        self.prefilled_reports.labels(result="delivered" if delivered else "failed").inc()
+        self.series(self.prefilled_reports, "delivered" if delivered else "failed").inc()
 
     def observe_tokenize_failure(self, outcome: str) -> None:
         self.tokenize_failures.labels(outcome=outcome).inc()

@@ -525,17 +525,29 @@ class PriceBook:
         if hit is not None and hit[0] == est.version and hit[1] == pooled.version:
             return hit[2]
         own, pool = est.prices(), pooled.prices()
-        z2 = self.cfg.shrink_z**2
-        vals = []
         # An instance's own price counts only where the instance has shown it differs: its own fit
         # predicted its requests clearly better than the cluster's did. An instance fit starts at the
         # configured prior, and a price its few requests barely exercise stays near it (a fit that saw
         # a few fetches at 30x the prior's price still said 0.2-0.6x the cluster's, with a standard
         # error too small to reveal the prior's pull: issue 23's traces at 16 instances).
         ttft_own, tpot_own = est.distinct(self.cfg.switch_ratio)
+        vals: Sequence[float] = pooled.values()
+        if ttft_own or tpot_own:  # most instances most of the time have not: the cluster's prices as they are
+            vals = self._shrunk(est, ttft_own, tpot_own)
+        out = InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
+                             ttft_rel_noise=pool.ttft_rel_noise)
+        self._decided[instance_id] = (est.version, pooled.version, out)
+        return out
+
+    def _shrunk(self, est: InstanceEstimator, ttft_own: bool, tpot_own: bool) -> list[float]:
+        """The cluster's prices, each moved towards ``est``'s own where the gate is open, as far as
+        the two differ significantly (``decision_prices``)."""
+        pooled = self.pooled
+        z2 = self.cfg.shrink_z**2
         gate = (ttft_own,) * len(TTFT_PRICES) + (tpot_own,) * len(TPOT_PRICES)
-        # and its error is its data's alone: a price its requests never exercised (an instance whose
-        # sessions never fetched) sits at the prior, which says nothing about this cluster
+        vals = []
+        # an instance's error is its data's alone: a price its requests never exercised (an instance
+        # whose sessions never fetched) sits at the prior, which says nothing about this cluster
         for a, b, sa, rb, g in zip(est.values(), pooled.values(), est.data_std_vector(), pooled.rel_std_vector(), gate):
             if not g:
                 vals.append(b)
@@ -544,10 +556,7 @@ class PriceBook:
             se2 = sa * sa + (rb * b) ** 2
             w = max(0.0, 1.0 - z2 * se2 / d2) if d2 > 0 and se2 < math.inf else 0.0
             vals.append(b + w * (a - b))
-        out = InstancePrices(*vals, observations=own.observations, mean_output=pool.mean_output or own.mean_output,
-                             ttft_rel_noise=pool.ttft_rel_noise)
-        self._decided[instance_id] = (est.version, pooled.version, out)
-        return out
+        return vals
 
     def forget_instance(self, instance_id: str) -> None:
         self._by.pop(instance_id, None)

@@ -148,3 +148,16 @@ def test_an_attempt_without_an_est_hit_estimate_is_counted_not_fatal() -> None:
     assert prompt == 100
     assert m.registry.get_sample_value("smetric_gateway_cache_funnel_tokens_total",
                                        {"backend": "e0", "stage": "est_hit"}) == 0
+
+
+def test_a_series_is_looked_up_once_and_is_the_one_labels_returns() -> None:
+    from smetric_lmc.gateway_metrics import GatewayMetrics
+
+    m = GatewayMetrics(["i0"])
+    child = m.series(m.funnel, "i0", "prompt")
+    assert child is m.funnel.labels(backend="i0", stage="prompt")  # positional values in the declared order
+    assert m.series(m.funnel, "i0", "prompt") is child
+    child.inc(5)
+    assert m.registry.get_sample_value("smetric_gateway_cache_funnel_tokens_total",
+                                       {"backend": "i0", "stage": "prompt"}) == 5
+    assert m.series(m.in_stage, "read") is not m.series(m.in_stage, "route")
