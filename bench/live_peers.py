@@ -634,6 +634,14 @@ def _contention() -> tuple[float, float, float]:
     return steal, total, running
 
 
+def _routing_note(a: dict[str, float]) -> str:
+    if "gateway_routing_mean_ms" not in a:
+        return ""
+    rtt = a.get("gateway_route_rtt_mean_ms")
+    return (f"; the gateway's own routing before the engine saw a request: mean {a['gateway_routing_mean_ms']:.2f} ms"
+            + (f" (the controller's round trip {rtt:.2f})" if rtt is not None else ""))
+
+
 def latency_summary(triples: Sequence[tuple[float, float, float]]) -> dict[str, float]:
     """Percentiles of the per-triple differences (through the router minus straight): the router's
     own time, with the machine's noise common to the requests of a triple cancelled. ``noise_*``: the
@@ -657,9 +665,12 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
     try:
         router.start()
         asyncio.run(_latency(infos[0].http_url, router.url, 30, 100))  # warm-up (connections, caches)
+        own = conf.family == "ours"
+        g0 = gateway_routing(router.url) if own else {}
         c0, cpu0 = _contention(), router.cpu_s()
         triples = asyncio.run(_latency(infos[0].http_url, router.url, mode.latency_requests, 100))
         c1, cpu1 = _contention(), router.cpu_s()
+        g1 = gateway_routing(router.url) if own else {}
     finally:
         router.stop()
         for g in groups:
@@ -671,6 +682,29 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
     out["loadavg1"] = os.getloadavg()[0]
     # the router's CPU per request it proxied (its processes, all threads; background work included)
     out["router_cpu_ms_per_req"] = (cpu1 - cpu0) * 1e3 / max(1, len(triples))
+    # ours: what its gateway timed of that, before the engine saw each request (all of it for
+    # reading and tokenizing the prompt and deciding; the controller's round trip within it)
+    for key in ("routing", "route_rtt"):
+        n = g1.get(f"{key}_count", 0.0) - g0.get(f"{key}_count", 0.0)
+        if n > 0:
+            out[f"gateway_{key}_mean_ms"] = (g1[f"{key}_sum"] - g0[f"{key}_sum"]) * 1e3 / n
+    return out
+
+
+def gateway_routing(url: str) -> dict[str, float]:
+    """Our gateway's routing and controller round-trip histograms (sums and counts) from its /metrics."""
+    async def main() -> str:
+        async with aiohttp.ClientSession() as s:
+            return await _get_text(s, url + "/metrics")
+
+    names = {"smetric_gateway_routing_seconds_sum": "routing_sum", "smetric_gateway_routing_seconds_count": "routing_count",
+             'smetric_gateway_route_rtt_seconds_sum{outcome="ok"}': "route_rtt_sum",
+             'smetric_gateway_route_rtt_seconds_count{outcome="ok"}': "route_rtt_count"}
+    out: dict[str, float] = {}
+    for line in asyncio.run(main()).splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in names:
+            out[names[name]] = float(value)
     return out
 
 
@@ -1100,7 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"the probe's own noise, straight minus straight: p50 {a['noise_p50_ms']:.2f}, "
                   f"p99 {a['noise_p99_ms']:.2f} ms; router CPU {a['router_cpu_ms_per_req']:.2f} ms per request; "
                   f"steal {a['steal']:.1%}, runnable {a['runnable']:.0f}, load {a['loadavg1']:.1f} on "
-                  f"{os.cpu_count()} CPUs)", flush=True)
+                  f"{os.cpu_count()} CPUs)" + _routing_note(a), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()

@@ -379,6 +379,7 @@ class Gateway:
         t_read = time.monotonic()
         target = await self._decide(rid, info)
         t_route = time.monotonic()
+        self.metrics.observe_routing(t_route - t0)
         log.debug("gateway: request=%s routed to instance=%s reason=%s fallback=%s read_s=%.3f route_s=%.3f",
                   rid, target.instance_id, target.reason, target.fallback, t_read - t0, t_route - t_read)
         if t_route - t0 > SLOW_ROUTING_S:

@@ -102,6 +102,12 @@ class GatewayMetrics:
             "Controller round trip for a route decision, as the gateway sees it, by outcome",
             ["outcome"], buckets=RTT_BUCKETS_S, registry=r,
         )
+        self.routing = Histogram(
+            "smetric_gateway_routing_seconds",
+            "The gateway's own time before a request reaches its engine: from the handler's start to "
+            "the decision (reading and tokenizing the prompt, the controller's answer), the first attempt",
+            buckets=RTT_BUCKETS_S, registry=r,
+        )
         self.controller_up = Gauge(
             "smetric_gateway_controller_up", "1 while the controller answers route requests", registry=r
         )
@@ -209,6 +215,9 @@ class GatewayMetrics:
 
     def observe_route_rtt(self, seconds: float, outcome: str) -> None:
         self.series(self.route_rtt, outcome).observe(seconds)
+
+    def observe_routing(self, seconds: float) -> None:
+        self.routing.observe(seconds)
 
     def attempt_started(self, instance: str) -> None:
         self.series(self.in_flight, instance).inc()

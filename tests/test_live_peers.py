@@ -315,6 +315,31 @@ def _summary_row(router: str, tps: float, **fields: object) -> dict:
             "router_cpu_ms_per_1k": 1000.0, "counters": {}, "argv": [router], **fields}
 
 
+def test_the_latency_line_says_what_our_gateway_timed_of_its_own_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our gateway's /metrics give its own routing time and the controller's round trip within it;
+    a peer's line has no such note."""
+    live_peers = _live_peers()
+    text = """# HELP smetric_gateway_routing_seconds ...
+smetric_gateway_routing_seconds_bucket{le="0.001"} 3.0
+smetric_gateway_routing_seconds_sum 0.0024
+smetric_gateway_routing_seconds_count 4.0
+smetric_gateway_route_rtt_seconds_sum{outcome="ok"} 0.002
+smetric_gateway_route_rtt_seconds_count{outcome="ok"} 4.0
+smetric_gateway_route_rtt_seconds_count{outcome="timeout"} 1.0
+"""
+
+    async def fake_get(_s: Any, url: str) -> str:
+        assert url == "http://gw/metrics"
+        return text
+
+    monkeypatch.setattr(live_peers, "_get_text", fake_get)
+    got = live_peers.gateway_routing("http://gw")
+    assert got == {"routing_sum": 0.0024, "routing_count": 4.0, "route_rtt_sum": 0.002, "route_rtt_count": 4.0}
+    note = live_peers._routing_note({"gateway_routing_mean_ms": 0.6, "gateway_route_rtt_mean_ms": 0.5})
+    assert "mean 0.60 ms" in note and "round trip 0.50" in note
+    assert live_peers._routing_note({"p50_ms": 1.0}) == ""
+
+
 def _live_peers() -> Any:
     """``bench/live_peers.py`` as a module (the bench folder is not a package)."""
     sys.path.insert(0, str(REPO / "bench"))
