@@ -49,6 +49,9 @@ async def test_histograms_and_funnel_move_with_requests(make_stack: StackFactory
     assert m.value("smetric_gateway_requests_total", backend=first, status="200") == 1
     assert m.value("smetric_gateway_route_rtt_seconds_count", outcome="ok") == 1
     assert 0 < m.value("smetric_gateway_route_rtt_seconds_sum") < 0.3  # within the route timeout
+    # the gateway's own routing time holds the round trip and the prompt's reading on top of it
+    assert m.value("smetric_gateway_routing_seconds_count") == 1
+    assert m.value("smetric_gateway_routing_seconds_sum") > m.value("smetric_gateway_route_rtt_seconds_sum")
     assert m.value("smetric_gateway_request_duration_seconds_count", backend=first) == 1
     # A JSON answer has no first token to time: no TTFT for it.
     assert m.value("smetric_gateway_ttft_seconds_count") == 0
