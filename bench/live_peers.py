@@ -1076,12 +1076,16 @@ def main(argv: list[str] | None = None) -> int:
     done_lock = threading.Lock()
     k = 0
 
+    not_run: list[str] = []
+
     def run_one(group: tuple[RouterConf, str, tuple[float, ...]]) -> None:
         nonlocal k
         conf, wl, rates = group
         try:
             got = run_group(conf, wl, wls[wl], rates, mode, root)
         except SweepStopped:
+            with done_lock:
+                not_run.extend(f"{conf.name} {wl} @ {r}/s" for r in rates)
             return
         except (RuntimeError, OSError) as exc:
             print(f"{conf.name} {wl}: FAILED: {exc}", flush=True)
@@ -1115,11 +1119,14 @@ def main(argv: list[str] | None = None) -> int:
                 pool = ThreadPoolExecutor(mode.parallel_of(wl), thread_name_prefix=f"run-{wl}")
                 try:
                     list(pool.map(run_one, mine))
-                finally:
+                except BaseException:
                     # stopped early (SIGTERM, Ctrl-C): no run starts, and the running ones lose
-                    # their clusters, so their replays fail at once instead of running to the end
+                    # their clusters, so their replays fail at once instead of running to the end.
+                    # Only then: the flag stops every later run too (the next workload's included).
                     pool.shutdown(wait=False, cancel_futures=True)
                     stop_live()
+                    raise
+                pool.shutdown()
         lat: dict[str, dict[str, float]] = {}
         for conf in lat_confs:
             k += 1
@@ -1137,6 +1144,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{os.cpu_count()} CPUs)" + _routing_note(a), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if not_run:
+        print(f"live_peers: {len(not_run)} runs never started (the sweep was stopped): {', '.join(not_run[:8])}"
+              + (" ..." if len(not_run) > 8 else ""), flush=True)
     print()
     print(table(rows))
     if any(m["runs"] > 1 for m in load_means(rows)):

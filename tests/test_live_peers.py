@@ -340,6 +340,37 @@ smetric_gateway_route_rtt_seconds_count{outcome="timeout"} 1.0
     assert live_peers._routing_note({"p50_ms": 1.0}) == ""
 
 
+def test_a_parallel_sweep_runs_every_workload(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs side by side (--parallel) of one workload must not stop the next workload's: the
+    sweep's stop flag is for a stopped sweep only (the full mode once skipped every WEKA run, silently,
+    after its Trace-1 runs had finished)."""
+    live_peers = _live_peers()
+    monkeypatch.setattr(live_peers, "load_workloads", lambda names, _n: {n: None for n in names})
+
+    def fake_group(conf: Any, wl: str, _wl: Any, rates: Any, _mode: Any, _root: Any) -> list[dict]:
+        if live_peers._STOPPED.is_set():  # as run_group: a stopped sweep starts nothing
+            raise live_peers.SweepStopped("the sweep was stopped")
+        return [_summary_row(conf.name, 100.0, workload=wl, rate=r) for r in rates]
+
+    monkeypatch.setattr(live_peers, "run_group", fake_group)
+    rows = tmp_path / "rows.jsonl"
+    assert live_peers.main(["--quick", "--no-latency", "--workloads", "trace1,weka", "--parallel", "2",
+                            "--routers", "ours:smetric,vllm:kv_aware", "--rows", str(rows)]) == 0
+    got = [json.loads(x) for x in rows.read_text().splitlines()]
+    assert {r["workload"] for r in got} == {"trace1", "weka"}
+    assert "never started" not in capsys.readouterr().out
+    # a run that finds the sweep stopped is said, not dropped in silence
+
+    def stopped(*_a: Any) -> list[dict]:
+        raise live_peers.SweepStopped("the sweep was stopped")
+
+    monkeypatch.setattr(live_peers, "run_group", stopped)
+    assert live_peers.main(["--quick", "--no-latency", "--workloads", "trace1", "--parallel", "2",
+                            "--routers", "ours:smetric"]) == 0
+    assert "runs never started (the sweep was stopped): ours:smetric trace1" in capsys.readouterr().out
+
+
 def _live_peers() -> Any:
     """``bench/live_peers.py`` as a module (the bench folder is not a package)."""
     sys.path.insert(0, str(REPO / "bench"))
