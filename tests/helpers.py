@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
 
 
 class RecorderSink:
@@ -43,3 +46,13 @@ async def wait_for(
 async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     """Wait (polling every 5 ms) until ``cond()`` holds; fail after ``timeout`` seconds."""
     await wait_for(cond, timeout, poll_s=0.005)
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module (the bench folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

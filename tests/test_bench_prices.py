@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import load_bench
 
 from smetric_lmc.lab.sim import regime_map
 from smetric_lmc.lab.sim.knee import KneeResult
@@ -17,12 +16,7 @@ from smetric_lmc.lab.sim.profile import load_profile
 
 
 def _bench() -> Any:
-    path = Path(__file__).resolve().parents[1] / "bench" / "prices.py"
-    spec = importlib.util.spec_from_file_location("bench_prices", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("prices")
 
 
 def _knee(scores: dict[str, float]) -> KneeResult:

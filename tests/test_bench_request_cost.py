@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_bench
 
 
 def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "request_cost.py"
-    spec = importlib.util.spec_from_file_location("bench_request_cost", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("request_cost")
 
 
 def test_prints_a_row_per_cell_then_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
