@@ -229,6 +229,23 @@ def test_cell_ratio_is_the_mean_of_paired_seed_ratios() -> None:
     assert one.spread("a", ["c"]) == 0.0 and one.ratio("a", ["c"]) == pytest.approx(100 / 180)
 
 
+def test_cell_interval_rechooses_the_best_baseline_in_each_draw() -> None:
+    # two seeds: every resample is (s0, s0), (s1, s1) or the pair itself
+    c = Cell(0.1, "none", 0.1, 1.0, 1000, [_knee({"a": 100, "b": 200, "c": 180}),
+                                           _knee({"a": 150, "b": 120, "c": 160})])  # fmt: skip
+    lo, hi = c.interval("a", ["b", "c"], level=0.9)
+    # the lowest draw takes seed 0 twice (÷ b's 200), the highest seed 1 twice (÷ c's 160): the
+    # best baseline differs between them, and both bound the point ratio of means
+    assert lo == pytest.approx(100 / 200) and hi == pytest.approx(150 / 160)
+    assert lo < c.score("a") / c.best_baseline(["b", "c"])[1] < hi
+    assert c.interval("a", ["b", "c"]) == (lo, hi)  # deterministic
+    # identical seeds leave nothing to resample: the interval is the point
+    same = Cell(0.1, "none", 0.1, 1.0, 1000, [_knee({"a": 90, "b": 100}), _knee({"a": 90, "b": 100})])
+    assert same.interval("a", ["b"]) == pytest.approx((0.9, 0.9))
+    one = Cell(0.1, "none", 0.1, 1.0, 1000, [_knee({"a": 100, "c": 180})])
+    assert all(v != v for v in one.interval("a", ["c"]))  # no spread to read from one seed
+
+
 def test_map_seeds_vary_the_arrivals_and_policies_share_them() -> None:
     # common random numbers: the root arrivals depend on (workload, rate, seed) only, never on the policy
     wl = preset_workload("trace1", 30, seed=0, scale=0.3)

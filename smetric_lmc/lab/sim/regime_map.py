@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,29 @@ class Cell:
         """Standard deviation over seeds of that ratio (0 with one seed)."""
         b, _ = self.best_baseline(baselines)
         return _std(self.seed_ratios(policy, b)) if b else float("nan")
+
+    def interval(self, policy: str, baselines: Sequence[str], level: float = 0.9,
+                 draws: int = 4000) -> tuple[float, float]:
+        """A percentile bootstrap interval over the seeds for the policy's score ÷ the best
+        baseline's. Each draw resamples the seeds with replacement and picks the best baseline anew
+        on the resample, so the interval carries the favour the best-of-several choice gives the
+        baselines; deterministic (fixed generator seed). (nan, nan) with fewer than two seeds."""
+        pols = [policy, *(b for b in baselines if all(b in k.peaks for k in self.knees))]
+        scores = [[k.score(p) for p in pols] for k in self.knees]
+        if len(scores) < 2 or len(pols) < 2:
+            return float("nan"), float("nan")
+        rng = random.Random(0)
+        n = len(scores)
+        ratios = []
+        for _ in range(draws):
+            pick = [scores[rng.randrange(n)] for _ in range(n)]
+            means = [sum(s[j] for s in pick) / n for j in range(len(pols))]
+            best = max(means[1:])
+            if best > 0:
+                ratios.append(means[0] / best)
+        ratios.sort()
+        tail = (1 - level) / 2
+        return ratios[int(tail * (len(ratios) - 1))], ratios[int((1 - tail) * (len(ratios) - 1))]
 
     def peak(self, policy: str) -> dict[str, Any]:
         return self.knee.summary(policy)
