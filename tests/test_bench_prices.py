@@ -50,3 +50,6 @@ def test_bailian_is_judged_at_the_lambda_its_tuning_seed_chose(monkeypatch: pyte
     assert row["bailian_lambda"] == 0.5 and row["best_baseline"] == "bailian λ=0.5"
     assert row["vs_best"] == pytest.approx(121 / 110) and row["vs_bailian_tuned"] == pytest.approx(121 / 110)
     assert row["vs_lmetric"] == pytest.approx(1.21) and row["vs_best_seed_sd"] == pytest.approx(0.0)
+    # the interval re-chooses the best among the judged baselines only (λ = 0.3's 200 is not one)
+    assert row["vs_best_ci90"] == pytest.approx((121 / 110, 121 / 110))
+    assert row["vs_fixed_ci90"] == pytest.approx((1.21, 1.21))
