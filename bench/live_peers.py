@@ -682,12 +682,19 @@ def added_latency(conf: RouterConf, mode: Mode, root: Path) -> dict[str, float]:
     out["loadavg1"] = os.getloadavg()[0]
     # the router's CPU per request it proxied (its processes, all threads; background work included)
     out["router_cpu_ms_per_req"] = (cpu1 - cpu0) * 1e3 / max(1, len(triples))
-    # ours: what its gateway timed of that, before the engine saw each request (all of it for
-    # reading and tokenizing the prompt and deciding; the controller's round trip within it)
+    out.update(routing_means(g0, g1))
+    return out
+
+
+def routing_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Ours: what its gateway timed between two reads of its /metrics (``gateway_routing``), per
+    request, before the engine saw it: reading and tokenizing the prompt and deciding
+    (``gateway_routing_mean_ms``), the controller's round trip within that (``gateway_route_rtt_mean_ms``)."""
+    out = {}
     for key in ("routing", "route_rtt"):
-        n = g1.get(f"{key}_count", 0.0) - g0.get(f"{key}_count", 0.0)
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
         if n > 0:
-            out[f"gateway_{key}_mean_ms"] = (g1[f"{key}_sum"] - g0[f"{key}_sum"]) * 1e3 / n
+            out[f"gateway_{key}_mean_ms"] = (after[f"{key}_sum"] - before[f"{key}_sum"]) * 1e3 / n
     return out
 
 
